@@ -1,0 +1,36 @@
+"""paddlenlp_fused: fused Paddle layers for LLM and state-space-model training.
+
+``import paddlenlp_fused`` is cheap: layers, ops and the backend helpers load on first attribute
+access, and ``paddlenlp_fused.kernels`` imports without Paddle.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (relative to this package)
+_EXPORTS = {
+    "use_backend": "runtime.backend",
+    "available_backends": "runtime.backend",
+    "default_backend": "runtime.backend",
+    "BackendUnavailableError": "runtime.backend",
+    "swiglu": "ops.gated_activation",
+    "geglu": "ops.gated_activation",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'paddlenlp_fused' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

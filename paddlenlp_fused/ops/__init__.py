@@ -1,0 +1,29 @@
+"""Functional ops: argument checks, backend dispatch and autograd over the kernels.
+
+Loaded lazily, one module per op family, so importing one op does not compile or import the rest.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "swiglu": "gated_activation",
+    "geglu": "gated_activation",
+    "gated_activation": "gated_activation",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'paddlenlp_fused.ops' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

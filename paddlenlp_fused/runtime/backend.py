@@ -1,0 +1,161 @@
+"""Backend choice: which implementation of an op runs.
+
+Every op takes ``backend`` in ``{"auto", "triton", "cuda", "reference"}``. ``"auto"`` defers to the
+process default (``use_backend(...)`` context, else ``$PADDLENLP_FUSED_BACKEND``, else automatic
+choice). Automatic choice on a GPU tensor takes CUDA when the library is built and supports the case,
+else Triton; on a CPU tensor Triton in interpreter mode (``TRITON_INTERPRET=1``), else the reference.
+Asking explicitly for a backend that cannot run raises ``BackendUnavailableError`` naming what is
+missing; automatic choice that has to fall back on a GPU warns once per op and reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import warnings
+from typing import Callable, Dict, NamedTuple, Optional, Sequence
+
+BACKENDS = ("triton", "cuda", "reference")
+ENV_VAR = "PADDLENLP_FUSED_BACKEND"
+TRITON_SUPPORTED = ((3, 6), (3, 10))  # [min, max)
+
+_override: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("paddlenlp_fused_backend", default=None)
+_warned: set = set()
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend cannot run this call."""
+
+
+class BackendStatus(NamedTuple):
+    available: bool
+    reason: str
+
+
+def _check_name(name: str, where: str) -> str:
+    if not isinstance(name, str) or name not in ("auto",) + BACKENDS:
+        raise ValueError(f"{where}: expected one of 'auto', 'triton', 'cuda', 'reference', got {name!r}")
+    return name
+
+
+def default_backend() -> str:
+    """The backend that ``backend="auto"`` means in this context."""
+    name = _override.get()
+    if name is not None:
+        return name
+    return _check_name(os.environ.get(ENV_VAR, "auto") or "auto", f"${ENV_VAR}")
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Run the ops inside the block on ``name`` wherever they are called with ``backend="auto"``."""
+    token = _override.set(_check_name(name, "use_backend(name)"))
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _triton_status(device: str) -> BackendStatus:
+    try:
+        import triton
+    except ImportError as exc:  # pragma: no cover - triton is an install requirement
+        return BackendStatus(False, f"triton is not importable ({exc})")
+    version = tuple(int(p) for p in triton.__version__.split(".")[:2])
+    lo, hi = TRITON_SUPPORTED
+    if not lo <= version < hi:
+        return BackendStatus(False, f"triton {triton.__version__} is outside the supported range >=3.6,<3.10")
+    if device == "gpu":
+        return BackendStatus(True, f"triton {triton.__version__} on the GPU")
+    if interpreter_enabled():
+        return BackendStatus(True, f"triton {triton.__version__} in interpreter mode (TRITON_INTERPRET=1)")
+    return BackendStatus(False, "Triton runs CPU tensors only in interpreter mode: set TRITON_INTERPRET=1 "
+                                "before importing paddlenlp_fused")
+
+
+def _cuda_status(device: str) -> BackendStatus:
+    if device != "gpu":
+        return BackendStatus(False, "the CUDA backend needs GPU tensors")
+    from ..kernels.cuda import library_status
+
+    return BackendStatus(*library_status())
+
+
+def backend_status(name: str, device: str) -> BackendStatus:
+    if name == "reference":
+        return BackendStatus(True, "pure Paddle")
+    if name == "triton":
+        return _triton_status(device)
+    if name == "cuda":
+        return _cuda_status(device)
+    raise ValueError(f"backend: unknown backend {name!r}")
+
+
+def local_device() -> str:
+    """'gpu' when Paddle sees a CUDA device, else 'cpu'."""
+    import paddle
+
+    if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+        return "gpu"
+    return "cpu"
+
+
+def available_backends(device: Optional[str] = None) -> Dict[str, BackendStatus]:
+    """Each backend with whether it can run on ``device`` ('gpu'/'cpu', default: this machine's)
+    and why (not)."""
+    device = device or local_device()
+    return {name: backend_status(name, device) for name in BACKENDS}
+
+
+def resolve_backend(op: str, requested: Optional[str], device: str, implemented: Sequence[str],
+                    unsupported: Optional[Callable[[str], Optional[str]]] = None,
+                    prefer: Sequence[str] = ("cuda", "triton")) -> str:
+    """Pick the backend for one call of ``op``.
+
+    ``implemented``: backends the op has. ``unsupported(name)`` returns why that backend cannot take
+    this particular case (shape, width, dtype), or None. ``prefer``: GPU order for automatic choice.
+    """
+    name = _check_name(requested if requested is not None else "auto", f"{op}(backend)")
+    if name == "auto":
+        name = default_backend()
+    if name != "auto":
+        if name not in implemented:
+            raise BackendUnavailableError(f"{op}: no {name!r} implementation; this op has {list(implemented)}")
+        status = backend_status(name, device)
+        if not status.available:
+            raise BackendUnavailableError(f"{op}: backend {name!r} cannot run: {status.reason}")
+        why = unsupported(name) if unsupported else None
+        if why:
+            raise BackendUnavailableError(f"{op}: backend {name!r} does not support this call: {why}")
+        return name
+
+    order = list(prefer) if device == "gpu" else ["triton"]
+    skipped = []
+    for candidate in order:
+        if candidate not in implemented:
+            continue
+        status = backend_status(candidate, device)
+        why = None if not status.available else (unsupported(candidate) if unsupported else None)
+        if status.available and not why:
+            if skipped:
+                _warn_once(op, skipped, candidate)
+            return candidate
+        skipped.append((candidate, why or status.reason))
+    if device == "gpu":
+        _warn_once(op, skipped, "reference")
+    return "reference"
+
+
+def _warn_once(op: str, skipped, chosen: str) -> None:
+    key = (op, tuple(skipped), chosen)
+    if key in _warned:
+        return
+    _warned.add(key)
+    reasons = "; ".join(f"{name}: {why}" for name, why in skipped)
+    warnings.warn(f"paddlenlp_fused.{op}: falling back to the {chosen} backend ({reasons})", RuntimeWarning,
+                  stacklevel=3)

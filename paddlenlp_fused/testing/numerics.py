@@ -1,0 +1,48 @@
+"""Relative-error checks of DESIGN.md: ``||out - ref|| / ||ref||`` in float64, NaN never passes.
+
+float32 outputs must be within 1e-5 (1e-3 where tf32 matrix units are used, said by the caller).
+float16/bfloat16 outputs must be under 1e-2 and within 2x the error of the plain computation in
+that dtype. Where no plain computation is at hand (or it is better than one rounding), the baseline
+is the dtype's unit roundoff ``u`` (2^-8 for bfloat16, 2^-11 for float16): merely rounding the exact
+result to the dtype costs up to ``u`` per element, and a plain composition rounds several times.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+FP32_BOUND = 1e-5
+TF32_BOUND = 1e-3
+LOW_PRECISION_CAP = 1e-2
+UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
+
+
+def rel_err(out, ref) -> float:
+    """Relative norm error of ``out`` against ``ref`` (array-likes); inf when out has NaN/inf."""
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if out.shape != ref.shape:
+        raise AssertionError(f"shape mismatch: {out.shape} vs reference {ref.shape}")
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    denom = np.linalg.norm(ref)
+    diff = np.linalg.norm(out - ref)
+    return float(diff / denom) if denom > 0 else float(diff)
+
+
+def bound_for(dtype: str, baseline_err: float | None = None, tf32: bool = False) -> float:
+    """The relative error an output of ``dtype`` may have against the float64 reference."""
+    if dtype == "float32":
+        return TF32_BOUND if tf32 else FP32_BOUND
+    if dtype not in UNIT_ROUNDOFF:
+        raise ValueError(f"dtype: unsupported {dtype!r}")
+    return min(LOW_PRECISION_CAP, 2.0 * max(UNIT_ROUNDOFF[dtype], baseline_err or 0.0))
+
+
+def assert_close(name: str, out, ref, dtype: str, baseline_err: float | None = None, tf32: bool = False) -> float:
+    """Assert DESIGN.md's bound; returns the error."""
+    err = rel_err(out, ref)
+    bound = bound_for(dtype, baseline_err, tf32)
+    if not err <= bound:  # also false for NaN
+        raise AssertionError(f"{name} ({dtype}): relative error {err:.3e} exceeds bound {bound:.3e}")
+    return err

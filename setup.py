@@ -1,0 +1,5 @@
+"""Build script. Metadata lives in pyproject.toml."""
+
+from setuptools import setup
+
+setup()

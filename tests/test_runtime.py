@@ -1,0 +1,107 @@
+"""Backend dispatch, the interpreter adapter (incl. autotune), cheap imports."""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import paddle
+import pytest
+import triton
+import triton.language as tl
+
+import paddlenlp_fused
+from paddlenlp_fused.runtime import backend as B
+from paddlenlp_fused.runtime.triton_paddle import triton_args
+from paddlenlp_fused.ops import swiglu
+from helpers import randn
+
+
+def test_use_backend_and_env_default(monkeypatch):
+    assert paddlenlp_fused.default_backend() == "auto"
+    monkeypatch.setenv("PADDLENLP_FUSED_BACKEND", "reference")
+    assert paddlenlp_fused.default_backend() == "reference"
+    with paddlenlp_fused.use_backend("triton"):
+        assert paddlenlp_fused.default_backend() == "triton"
+        with paddlenlp_fused.use_backend("auto"):
+            assert paddlenlp_fused.default_backend() == "auto"
+    assert paddlenlp_fused.default_backend() == "reference"
+    monkeypatch.setenv("PADDLENLP_FUSED_BACKEND", "tpu")
+    with pytest.raises(ValueError, match="PADDLENLP_FUSED_BACKEND"):
+        paddlenlp_fused.default_backend()
+    with pytest.raises(ValueError, match="use_backend"):
+        with paddlenlp_fused.use_backend("fast"):
+            pass
+
+
+def test_auto_on_cpu_picks_triton_in_interpreter_mode_else_reference(monkeypatch):
+    impl = ("triton", "reference")
+    assert B.resolve_backend("op", "auto", "cpu", impl) == "triton"
+    with paddlenlp_fused.use_backend("reference"):
+        assert B.resolve_backend("op", "auto", "cpu", impl) == "reference"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # CPU fallback to the reference is the normal path: no warning
+        assert B.resolve_backend("op", "auto", "cpu", impl) == "reference"
+    with pytest.raises(B.BackendUnavailableError, match="TRITON_INTERPRET=1"):
+        B.resolve_backend("op", "triton", "cpu", impl)
+
+
+def test_explicit_backend_errors_name_what_is_missing():
+    with pytest.raises(B.BackendUnavailableError, match="needs GPU tensors"):
+        B.resolve_backend("op", "cuda", "cpu", ("cuda", "triton", "reference"))
+    with pytest.raises(B.BackendUnavailableError, match="no 'cuda' implementation"):
+        B.resolve_backend("op", "cuda", "cpu", ("triton", "reference"))
+    with pytest.raises(B.BackendUnavailableError, match="width 7"):
+        B.resolve_backend("op", "triton", "cpu", ("triton", "reference"), unsupported=lambda n: "width 7")
+
+
+def test_auto_fallback_on_gpu_warns_once(monkeypatch):
+    statuses = {"cuda": B.BackendStatus(False, "library not built"), "triton": B.BackendStatus(True, "ok"),
+                "reference": B.BackendStatus(True, "ok")}
+    monkeypatch.setattr(B, "backend_status", lambda name, device: statuses[name])
+    with pytest.warns(RuntimeWarning, match="falling back to the triton backend .*library not built"):
+        assert B.resolve_backend("fallback_op", "auto", "gpu", ("cuda", "triton", "reference")) == "triton"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert B.resolve_backend("fallback_op", "auto", "gpu", ("cuda", "triton", "reference")) == "triton"
+
+
+def test_available_backends_reports_reasons():
+    status = paddlenlp_fused.available_backends("cpu")
+    assert status["reference"].available
+    assert status["triton"].available and "interpreter" in status["triton"].reason
+    assert not status["cuda"].available and status["cuda"].reason
+
+
+def test_op_backend_choice_changes_the_path():
+    x = randn((3, 8))
+    with paddlenlp_fused.use_backend("reference"):
+        ref = swiglu(x)
+    np.testing.assert_allclose(swiglu(x).numpy(), ref.numpy(), rtol=1e-6, atol=1e-6)
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": 4}), triton.Config({"BLOCK": 16})], key=["n"])
+@triton.jit
+def _scale_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) * 3.0, mask=mask)
+
+
+def test_autotuned_kernel_runs_in_interpreter_on_paddle_tensors():
+    x = randn((37,))
+    out = paddle.full([37], float("nan"))
+    xa, outa = triton_args(x, out)
+    _scale_kernel[lambda meta: (triton.cdiv(37, meta["BLOCK"]),)](xa, outa, 37)
+    np.testing.assert_allclose(out.numpy(), 3 * x.numpy(), rtol=1e-6)
+    assert _scale_kernel.best_config.kwargs["BLOCK"] in (4, 16)
+
+
+def test_import_is_cheap_and_kernels_need_no_paddle():
+    code = ("import sys, paddlenlp_fused; assert 'paddle' not in sys.modules; "
+            "import paddlenlp_fused.kernels.triton.gated_activation; assert 'paddle' not in sys.modules; "
+            "assert 'torch' not in sys.modules; print(sorted(paddlenlp_fused.__all__)[:1])")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
