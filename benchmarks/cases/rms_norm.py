@@ -1,0 +1,11 @@
+"""RMSNorm fwd+bwd, x [16384, 4096] bf16 with weight (PERFORMANCE.md): our Triton and CUDA kernels
+against torch ``F.rms_norm`` in the same process, plus the hidden-size sweep; the code is
+``layer_norm``'s (``run_norm``), whose docstring says what is counted."""
+
+from __future__ import annotations
+
+from cases.layer_norm import run_norm
+
+
+def run(provider, quick: bool = False) -> dict:
+    return run_norm(provider, quick, is_rms=True)

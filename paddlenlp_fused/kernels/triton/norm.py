@@ -1,0 +1,559 @@
+"""LayerNorm, RMSNorm and Mamba-2's gated RMSNorm: forward and backward.
+
+Shapes (M rows, N columns; 2-D tensors have a contiguous last axis and rows at any stride):
+    x, y, dy, dx, z, dz                  [M, N]   activation dtype
+    residual, residual_out, dresidual    [M, N]   each in its own float dtype
+    weight, bias, dweight, dbias         [N]      fp32 or the activation dtype
+    mean, rstd                           [M * ngroups] fp32, saved by the forward for the backward
+    partials (backward workspace)        [n_sums, P, N] fp32: per program one row of partial sums of
+                                          dweight (and dbias); ``bwd_workspace_shapes`` gives P
+    rowstats (backward workspace)        [M * ngroups, 2] fp32, only when a group is wider than one
+                                          register block (``bwd_workspace_shapes`` says when)
+
+Each row is normalised in groups of G = group_size consecutive columns (G = N for the plain norms):
+    h    = x (+ residual, rounded to residual_out's dtype, which is also stored)
+           gated with norm_before_gate=False: h = x * silu(z)
+    xhat = (h - mean) * rstd                (RMSNorm: mean = 0, rstd = 1 / sqrt(mean(h^2) + eps))
+    y    = xhat * (weight + weight_offset) (+ bias); gated with norm_before_gate=True: y *= silu(z)
+
+Memory-bound. The forward holds a [ROWS, BLOCK_N] tile of whole groups in registers (BLOCK_N up to
+8192) and reads x once; wider groups loop over chunks (two or three sweeps, re-reads mostly from
+L2). The backward runs a persistent grid of P programs per group and column slab: each walks row
+tiles pid, pid + P, ..., keeps its dweight/dbias sums in fp32 registers and writes one partial row;
+a second small kernel sums the P partial rows. Groups wider than one backward block (8192) are
+split into column slabs, whose row reductions a pre-pass computes (``rowstats``).
+
+Loops with run-time trip counts are ``while`` loops: Triton's interpreter (CPU CI) cannot take a
+run-time ``range`` bound under numpy >= 2.3.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ...runtime import tensor as T
+
+FWD_MAX_BLOCK = 8192  # widest group the forward keeps in registers (H200: chunks of 8192 beat one
+# 16384 block, 0.085 vs 0.120 ms for LayerNorm [4096, 16384] bf16)
+BWD_MAX_BLOCK = 8192  # widest column slab the backward keeps in registers (with its dw/db sums)
+_SUM_BLOCK_P, _SUM_BLOCK_N = 32, 64
+
+
+@triton.jit
+def _silu_and_grad(z):
+    s = 1.0 / (1.0 + tl.exp(-z))
+    return z * s, s * (1.0 + z * (1.0 - s))
+
+
+@triton.jit
+def _fwd_load_h(x_ptr, res_ptr, z_ptr, res_out_ptr, rows64, col_base, cols, mask,
+                stride_x, stride_res, stride_z, stride_res_out,
+                HAS_RES: tl.constexpr, STORE_RES_OUT: tl.constexpr, HAS_Z: tl.constexpr,
+                NORM_BEFORE_GATE: tl.constexpr, WRITE_RES_OUT: tl.constexpr):
+    """h of a [ROWS, BLOCK_N] tile in fp32; stores residual_out when asked (first sweep only)."""
+    h = tl.load(x_ptr + rows64 * stride_x + col_base + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        h += tl.load(res_ptr + rows64 * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+    if STORE_RES_OUT:
+        rounded = h.to(res_out_ptr.dtype.element_ty)
+        if WRITE_RES_OUT:
+            tl.store(res_out_ptr + rows64 * stride_res_out + cols, rounded, mask=mask)
+        h = rounded.to(tl.float32)  # normalise exactly what the backward will read back
+    if HAS_Z:
+        if not NORM_BEFORE_GATE:
+            z = tl.load(z_ptr + rows64 * stride_z + col_base + cols, mask=mask, other=0.0).to(tl.float32)
+            silu_z, _ = _silu_and_grad(z)
+            h = h * silu_z
+    return h
+
+
+@triton.jit
+def _fwd_store_y(h, mean, rstd, w_ptr, b_ptr, z_ptr, y_ptr, rows64, col_base, cols, mask, col_mask,
+                 stride_z, stride_y, weight_offset,
+                 HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr):
+    w = tl.load(w_ptr + col_base + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset
+    y = (h - mean[:, None]) * rstd[:, None] * w
+    if HAS_BIAS:
+        y += tl.load(b_ptr + col_base + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if HAS_Z:
+        if NORM_BEFORE_GATE:
+            z = tl.load(z_ptr + rows64 * stride_z + col_base + cols, mask=mask, other=0.0).to(tl.float32)
+            silu_z, _ = _silu_and_grad(z)
+            y = y * silu_z
+    tl.store(y_ptr + rows64 * stride_y + col_base + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_fwd_kernel(x_ptr, res_ptr, z_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, mean_ptr, rstd_ptr,
+                     M, G, NGROUPS, stride_x, stride_res, stride_z, stride_y, stride_res_out,
+                     eps, weight_offset,
+                     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, STORE_RES_OUT: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr):
+    """Grid (cdiv(M, ROWS), NGROUPS): one [ROWS, G] slice of rows and one group per program."""
+    g = tl.program_id(1)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < M
+    rows64 = rows.to(tl.int64)[:, None]
+    col_base = g * G
+    offs = tl.arange(0, BLOCK_N)[None, :]
+    if SINGLE_BLOCK:  # the whole group stays in registers: one read of x
+        col_mask = offs < G
+        mask = row_mask[:, None] & col_mask
+        h = _fwd_load_h(x_ptr, res_ptr, z_ptr, res_out_ptr, rows64, col_base, offs, mask,
+                        stride_x, stride_res, stride_z, stride_res_out,
+                        HAS_RES, STORE_RES_OUT, HAS_Z, NORM_BEFORE_GATE, True)
+        if IS_RMS:
+            mean = tl.zeros([ROWS], dtype=tl.float32)
+            var = tl.sum(h * h, axis=1) / G
+        else:
+            mean = tl.sum(h, axis=1) / G
+            centred = tl.where(mask, h - mean[:, None], 0.0)
+            var = tl.sum(centred * centred, axis=1) / G
+        rstd = 1.0 / tl.sqrt(var + eps)
+        _fwd_store_y(h, mean, rstd, w_ptr, b_ptr, z_ptr, y_ptr, rows64, col_base, offs, mask, col_mask,
+                     stride_z, stride_y, weight_offset, HAS_BIAS, HAS_Z, NORM_BEFORE_GATE)
+    else:  # chunked: sum (and store residual_out), [centred sum of squares,] normalise
+        acc = tl.zeros([ROWS], dtype=tl.float32)
+        start = 0
+        while start < G:
+            cols = start + offs
+            mask = row_mask[:, None] & (cols < G)
+            h = _fwd_load_h(x_ptr, res_ptr, z_ptr, res_out_ptr, rows64, col_base, cols, mask,
+                            stride_x, stride_res, stride_z, stride_res_out,
+                            HAS_RES, STORE_RES_OUT, HAS_Z, NORM_BEFORE_GATE, True)
+            if IS_RMS:
+                acc += tl.sum(h * h, axis=1)
+            else:
+                acc += tl.sum(h, axis=1)
+            start += BLOCK_N
+        if IS_RMS:
+            mean = tl.zeros([ROWS], dtype=tl.float32)
+            var = acc / G
+        else:
+            mean = acc / G
+            acc = tl.zeros([ROWS], dtype=tl.float32)
+            start = 0
+            while start < G:
+                cols = start + offs
+                mask = row_mask[:, None] & (cols < G)
+                h = _fwd_load_h(x_ptr, res_ptr, z_ptr, res_out_ptr, rows64, col_base, cols, mask,
+                                stride_x, stride_res, stride_z, stride_res_out,
+                                HAS_RES, STORE_RES_OUT, HAS_Z, NORM_BEFORE_GATE, False)
+                centred = tl.where(mask, h - mean[:, None], 0.0)
+                acc += tl.sum(centred * centred, axis=1)
+                start += BLOCK_N
+            var = acc / G
+        rstd = 1.0 / tl.sqrt(var + eps)
+        start = 0
+        while start < G:
+            cols = start + offs
+            col_mask = cols < G
+            mask = row_mask[:, None] & col_mask
+            h = _fwd_load_h(x_ptr, res_ptr, z_ptr, res_out_ptr, rows64, col_base, cols, mask,
+                            stride_x, stride_res, stride_z, stride_res_out,
+                            HAS_RES, STORE_RES_OUT, HAS_Z, NORM_BEFORE_GATE, False)
+            _fwd_store_y(h, mean, rstd, w_ptr, b_ptr, z_ptr, y_ptr, rows64, col_base, cols, mask, col_mask,
+                         stride_z, stride_y, weight_offset, HAS_BIAS, HAS_Z, NORM_BEFORE_GATE)
+            start += BLOCK_N
+    stat = rows.to(tl.int64) * NGROUPS + g
+    if not IS_RMS:
+        tl.store(mean_ptr + stat, mean, mask=row_mask)
+    tl.store(rstd_ptr + stat, rstd, mask=row_mask)
+
+
+@triton.jit
+def _bwd_load(h_ptr, z_ptr, w_ptr, dy_ptr, mean, rstd, rows64, col_base, cols, mask, col_mask,
+              stride_h, stride_z, stride_dy, weight_offset,
+              HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr):
+    """For a tile: xhat, the gradient at the norm's scaled output (gate applied), weight * that,
+    and what the gate's gradients need: x, silu(z), silu'(z), and dz when the gate comes last."""
+    x = tl.load(h_ptr + rows64 * stride_h + col_base + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + rows64 * stride_dy + col_base + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + col_base + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset
+    h = x
+    silu_z = x
+    dsilu_z = x
+    dz = x
+    if HAS_Z:
+        z = tl.load(z_ptr + rows64 * stride_z + col_base + cols, mask=mask, other=0.0).to(tl.float32)
+        silu_z, dsilu_z = _silu_and_grad(z)
+        if not NORM_BEFORE_GATE:
+            h = x * silu_z
+    xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
+    if HAS_Z:
+        if NORM_BEFORE_GATE:
+            dz = dy * xhat * w * dsilu_z
+            dy = dy * silu_z
+    return xhat, dy, dy * w, x, silu_z, dsilu_z, dz
+
+
+@triton.jit
+def _norm_bwd_rowstats_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, rowstats_ptr,
+                              M, G, NGROUPS, stride_h, stride_z, stride_dy, weight_offset,
+                              IS_RMS: tl.constexpr, HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
+                              BLOCK_N: tl.constexpr):
+    """Grid (M, NGROUPS): rowstats[row, g] = (mean(xhat * w dy), mean(w dy)) over the group."""
+    g = tl.program_id(1)
+    rows = tl.program_id(0) + tl.arange(0, 1)
+    rows64 = rows.to(tl.int64)[:, None]
+    stat = rows.to(tl.int64) * NGROUPS + g
+    rstd = tl.load(rstd_ptr + stat)
+    if IS_RMS:
+        mean = tl.zeros([1], dtype=tl.float32)
+    else:
+        mean = tl.load(mean_ptr + stat)
+    offs = tl.arange(0, BLOCK_N)[None, :]
+    c1 = tl.zeros([1], dtype=tl.float32)
+    c2 = tl.zeros([1], dtype=tl.float32)
+    start = 0
+    while start < G:
+        cols = start + offs
+        col_mask = cols < G
+        xhat, _, wdy, _, _, _, _ = _bwd_load(h_ptr, z_ptr, w_ptr, dy_ptr, mean, rstd, rows64, g * G, cols,
+                                             col_mask, col_mask, stride_h, stride_z, stride_dy, weight_offset,
+                                             HAS_Z, NORM_BEFORE_GATE)
+        c1 += tl.sum(xhat * wdy, axis=1)
+        c2 += tl.sum(wdy, axis=1)
+        start += BLOCK_N
+    tl.store(rowstats_ptr + stat * 2, c1 / G)
+    tl.store(rowstats_ptr + stat * 2 + 1, c2 / G)
+
+
+@triton.jit(do_not_specialize=["NUM_PARTIALS"])  # one compiled kernel whatever the grid size
+def _norm_bwd_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dres_out_ptr, rowstats_ptr,
+                     dx_ptr, dres_ptr, dz_ptr, partials_ptr,
+                     M, G, NGROUPS, NUM_PARTIALS, stride_partials, stride_h, stride_z, stride_dy, stride_dres_out,
+                     stride_dx, stride_dres, stride_dz, weight_offset,
+                     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES_OUT: tl.constexpr,
+                     HAS_DRES: tl.constexpr, HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
+                     STATS_GIVEN: tl.constexpr, NUM_SLABS: tl.constexpr,
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (NUM_PARTIALS, NGROUPS * NUM_SLABS): program (p, q) walks the row tiles p, p + P, ... of
+    group q // NUM_SLABS, columns [slab * BLOCK_N, (slab + 1) * BLOCK_N) of it, and writes row p of
+    the partial sums of dweight (and dbias, ``stride_partials`` further on) for those columns."""
+    pid = tl.program_id(0)
+    g = tl.program_id(1) // NUM_SLABS
+    slab = tl.program_id(1) % NUM_SLABS
+    col_base = g * G
+    cols = slab * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    col_mask = cols < G
+    # [ROWS, BLOCK_N] sums: the cross-row reduction happens once, after the loop
+    dw_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    num_tiles = tl.cdiv(M, ROWS)
+    tile = pid
+    while tile < num_tiles:
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < M
+        rows64 = rows.to(tl.int64)[:, None]
+        stat = rows.to(tl.int64) * NGROUPS + g
+        mask = row_mask[:, None] & col_mask
+        rstd = tl.load(rstd_ptr + stat, mask=row_mask, other=0.0)
+        if IS_RMS:
+            mean = tl.zeros([ROWS], dtype=tl.float32)
+        else:
+            mean = tl.load(mean_ptr + stat, mask=row_mask, other=0.0)
+        xhat, dy, wdy, x, silu_z, dsilu_z, dz = _bwd_load(
+            h_ptr, z_ptr, w_ptr, dy_ptr, mean, rstd, rows64, col_base, cols, mask, col_mask,
+            stride_h, stride_z, stride_dy, weight_offset, HAS_Z, NORM_BEFORE_GATE)
+        if STATS_GIVEN:
+            c1 = tl.load(rowstats_ptr + stat * 2, mask=row_mask, other=0.0)
+            c2 = tl.load(rowstats_ptr + stat * 2 + 1, mask=row_mask, other=0.0)
+        else:
+            c1 = tl.sum(xhat * wdy, axis=1) / G
+            c2 = tl.sum(wdy, axis=1) / G
+        if IS_RMS:
+            dh = (wdy - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            dh = (wdy - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+        if HAS_DRES_OUT:
+            dh += tl.load(dres_out_ptr + rows64 * stride_dres_out + cols, mask=mask, other=0.0).to(tl.float32)
+        dx = dh
+        if HAS_Z:
+            if not NORM_BEFORE_GATE:
+                dz = dh * x * dsilu_z
+                dx = dh * silu_z
+            tl.store(dz_ptr + rows64 * stride_dz + col_base + cols, dz.to(dz_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + rows64 * stride_dx + col_base + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_DRES:
+            tl.store(dres_ptr + rows64 * stride_dres + cols, dh.to(dres_ptr.dtype.element_ty), mask=mask)
+        dw_acc += dy * xhat
+        if HAS_BIAS:
+            db_acc += dy
+        tile += NUM_PARTIALS
+    out = partials_ptr + pid.to(tl.int64) * (G * NGROUPS) + col_base + cols
+    tl.store(out, tl.sum(dw_acc, axis=0)[None, :], mask=col_mask)
+    if HAS_BIAS:
+        tl.store(out + stride_partials, tl.sum(db_acc, axis=0)[None, :], mask=col_mask)
+
+
+@triton.jit
+def _sum_partials_kernel(partials_ptr, dw_ptr, db_ptr, P, N, stride_partials,
+                         HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (cdiv(N, BLOCK_N), 1 or 2): column sums of the first P rows of partials[which] (fp32
+    rows of N) into dw / db."""
+    which = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    base = partials_ptr + which.to(tl.int64) * stride_partials
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    start = 0
+    while start < P:
+        prow = start + tl.arange(0, BLOCK_P)
+        mask = (prow[:, None] < P) & col_mask[None, :]
+        acc += tl.load(base + prow.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
+        start += BLOCK_P
+    total = tl.sum(acc, axis=0)
+    if HAS_BIAS:
+        if which == 0:
+            tl.store(dw_ptr + cols, total.to(dw_ptr.dtype.element_ty), mask=col_mask)
+        else:
+            tl.store(db_ptr + cols, total.to(db_ptr.dtype.element_ty), mask=col_mask)
+    else:
+        tl.store(dw_ptr + cols, total.to(dw_ptr.dtype.element_ty), mask=col_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# launch configuration
+
+
+_sm_counts = {}
+
+
+def _num_sms() -> int:
+    """SM count of the current device, cached (reading the device properties costs about a
+    millisecond of host time); the interpreter runs programs one by one, so any count is right
+    there (a small one keeps several partial rows in the tests)."""
+    if triton.knobs.runtime.interpret:
+        return 2
+    active = triton.runtime.driver.active
+    device = active.get_current_device()
+    if device not in _sm_counts:
+        _sm_counts[device] = int(active.utils.get_device_properties(device)["multiprocessor_count"])
+    return _sm_counts[device]
+
+
+def _groups(N: int, group_size) -> tuple:
+    if group_size is None:
+        return N, 1
+    if group_size <= 0 or N % group_size:
+        raise ValueError(f"group_size: expected a positive divisor of the last axis {N}, got {group_size}")
+    return group_size, N // group_size
+
+
+def _warps(elements: int) -> int:
+    return 4 if elements <= 1024 else (8 if elements <= 4096 else 16)
+
+
+def _fwd_config(G: int, max_block: int, rows=None, num_warps=None):
+    """(ROWS, BLOCK_N, num_warps): groups up to 4096 wide go several to a program, in tiles of 8192
+    elements on 8 warps (H200, [16384, 4096] bf16: 2 rows x 8 warps 0.070 ms, 1 x 8 0.072, 1 x 16
+    0.087); wider ones one per program on 16 warps. ``rows`` / ``num_warps`` override (tuning)."""
+    block_n = min(triton.next_power_of_2(G), max_block)
+    if block_n <= 4096:
+        return rows or max(1, min(32, 8192 // block_n)), block_n, num_warps or 8
+    return rows or 1, block_n, num_warps or 16
+
+
+def _bwd_config(G: int, max_block: int, rows=None, num_warps=None):
+    """(ROWS, BLOCK_N, NUM_SLABS, num_warps); ``rows`` / ``num_warps`` override (tuning)."""
+    block_n = min(triton.next_power_of_2(G), max_block)
+    slabs = triton.cdiv(G, block_n)
+    rows = rows or (max(1, min(16, 2048 // block_n)) if slabs == 1 else 1)
+    return rows, block_n, slabs, num_warps or _warps(rows * block_n)
+
+
+def _max_programs_per_sm(num_warps: int) -> int:
+    """Programs of num_warps warps an SM can hold at most (64 warp slots; >= 32 registers each)."""
+    return max(1, min(64 // num_warps, 65536 // (32 * num_warps * 32)))
+
+
+_resident_cache = {}
+
+
+def _resident_programs_per_sm(kernel, args, kwargs, num_warps: int) -> int:
+    """Programs of the compiled backward kernel that fit on one SM at once (registers, shared
+    memory, warp slots): the persistent grid is that many per SM, so all programs run in one wave."""
+    if triton.knobs.runtime.interpret:
+        return 2
+    key = tuple(T.dtype_name(a) if hasattr(a, "data_ptr") else None for a in args) + tuple(sorted(kwargs.items()))
+    if key not in _resident_cache:
+        compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+        compiled._init_handles()
+        props = triton.runtime.driver.active.utils.get_device_properties(
+            triton.runtime.driver.active.get_current_device())
+        per_sm = _max_programs_per_sm(num_warps)
+        if compiled.n_regs:  # (0 where nothing was loaded: the compile-only check)
+            per_sm = min(per_sm, 65536 // (32 * num_warps * (-(-compiled.n_regs // 8) * 8)))
+        if compiled.metadata.shared:
+            per_sm = min(per_sm, props["max_shared_mem"] // compiled.metadata.shared)
+        _resident_cache[key] = max(1, per_sm)
+    return _resident_cache[key]
+
+
+def bwd_workspace_shapes(M: int, N: int, has_bias: bool, group_size=None, programs_per_sm=None,
+                         max_block: int = BWD_MAX_BLOCK, rows=None, num_warps=None):
+    """Shapes of the fp32 workspaces ``norm_bwd`` takes: (partials [n_sums, P, N], rowstats
+    [M * ngroups, 2] or None). P is an upper bound (``norm_bwd`` uses as many rows as programs fit
+    on the GPU at once). ``programs_per_sm``, ``rows``, ``num_warps`` override the persistent grid
+    and the tile (tuning; pass the same values to ``norm_bwd``)."""
+    G, ngroups = _groups(N, group_size)
+    rows, _, slabs, num_warps = _bwd_config(G, max_block, rows, num_warps)
+    per_sm = programs_per_sm or _max_programs_per_sm(num_warps)
+    num_partials = max(1, min(triton.cdiv(M, rows), _num_sms() * per_sm // (ngroups * slabs)))
+    rowstats = (M * ngroups, 2) if slabs > 1 else None
+    return (2 if has_bias else 1, num_partials, N), rowstats
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+
+
+def _check_rows(name: str, t, M: int, N: int) -> None:
+    if t is None:
+        return
+    T.check_same_shape(name, t, (M, N))
+    if M and N > 1 and T.strides(t)[1] != 1:
+        raise ValueError(f"{name}: last axis must be contiguous, got strides {T.strides(t)}")
+
+
+def _check_vector(name: str, t, length: int) -> None:
+    if t is None:
+        return
+    T.check_same_shape(name, t, (length,))
+    T.check_contiguous(name, t)
+
+
+def _check_stats(mean, rstd, length: int, is_rms_norm: bool) -> None:
+    if not is_rms_norm and mean is None:
+        raise ValueError("mean: LayerNorm needs the [M * ngroups] fp32 mean buffer")
+    _check_vector("rstd", rstd, length)
+    _check_vector("mean", None if is_rms_norm else mean, length)
+
+
+def _row_stride(t) -> int:
+    return T.strides(t)[0] if t is not None else 0
+
+
+def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None, z=None, eps: float = 1e-5,
+             is_rms_norm: bool = False, weight_offset: float = 0.0, group_size=None,
+             norm_before_gate: bool = True, max_block: int = FWD_MAX_BLOCK, rows=None, num_warps=None) -> None:
+    """y = norm(x (+ residual)) (gated by z); writes y, residual_out (if given), mean (LayerNorm) and
+    rstd. ``residual`` / ``residual_out`` are for ungrouped norms; ``z`` / ``group_size`` for the
+    gated RMSNorm. ``max_block`` caps the register tile (tests use it to reach the chunked path);
+    ``rows`` and ``num_warps`` override the tile's rows and the warps per program (tuning)."""
+    if len(T.shape(x)) != 2:
+        raise ValueError(f"x: expected a 2-D tensor [M, N], got shape {T.shape(x)}")
+    M, N = T.shape(x)
+    G, ngroups = _groups(N, group_size)
+    if (residual is not None or residual_out is not None) and ngroups != 1:
+        raise ValueError("residual: not supported together with group_size < N")
+    for name, t in (("y", y), ("residual", residual), ("residual_out", residual_out), ("z", z)):
+        _check_rows(name, t, M, N)
+    _check_rows("x", x, M, N)
+    for name, t in (("weight", weight), ("bias", bias)):
+        _check_vector(name, t, N)
+    _check_stats(mean, rstd, M * ngroups, is_rms_norm)
+    if M == 0 or N == 0:
+        return
+    rows, block_n, num_warps = _fwd_config(G, max_block, rows, num_warps)
+    _norm_fwd_kernel[(triton.cdiv(M, rows), ngroups)](
+        x, residual, z, weight, bias, y, residual_out, None if is_rms_norm else mean, rstd,
+        M, G, ngroups, T.strides(x)[0], _row_stride(residual), _row_stride(z), T.strides(y)[0],
+        _row_stride(residual_out), float(eps), float(weight_offset),
+        IS_RMS=is_rms_norm, HAS_RES=residual is not None, STORE_RES_OUT=residual_out is not None,
+        HAS_BIAS=bias is not None, HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate,
+        ROWS=rows, BLOCK_N=block_n, SINGLE_BLOCK=block_n >= G, num_warps=num_warps)
+
+
+def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dresidual_out=None,
+             dresidual=None, z=None, dz=None, rowstats=None, is_rms_norm: bool = False,
+             weight_offset: float = 0.0, group_size=None, norm_before_gate: bool = True,
+             max_block: int = BWD_MAX_BLOCK, rows=None, num_warps=None, programs_per_sm=None) -> None:
+    """Gradients of ``norm_fwd``. ``h`` is what the forward normalised before gating: residual_out
+    when it stored one, else x. Writes dx (= dh, plus dresidual_out), dresidual (dh in the
+    residual's dtype, when that differs from dx's), dz (gated), dweight and dbias; ``partials`` and
+    ``rowstats`` are workspaces shaped by ``bwd_workspace_shapes``; ``max_block``, ``rows``,
+    ``num_warps`` and ``programs_per_sm`` as there."""
+    if len(T.shape(h)) != 2:
+        raise ValueError(f"h: expected a 2-D tensor [M, N], got shape {T.shape(h)}")
+    M, N = T.shape(h)
+    G, ngroups = _groups(N, group_size)
+    for name, t in (("h", h), ("dy", dy), ("dx", dx), ("dresidual_out", dresidual_out),
+                    ("dresidual", dresidual), ("z", z), ("dz", dz)):
+        _check_rows(name, t, M, N)
+    if (z is None) != (dz is None):
+        raise ValueError("z and dz: give both or neither")
+    for name, t in (("weight", weight), ("dweight", dweight), ("dbias", dbias)):
+        _check_vector(name, t, N)
+    _check_stats(mean, rstd, M * ngroups, is_rms_norm)
+    rows, block_n, slabs, num_warps = _bwd_config(G, max_block, rows, num_warps)
+    n_sums, num_partials = 2 if dbias is not None else 1, T.shape(partials)[1]
+    T.check_same_shape("partials", partials, (n_sums, num_partials, N))
+    T.check_contiguous("partials", partials)
+    if slabs > 1:
+        if rowstats is None:
+            raise ValueError(f"rowstats: a [{M * ngroups}, 2] fp32 workspace is needed for groups of {G}")
+        T.check_same_shape("rowstats", rowstats, (M * ngroups, 2))
+        T.check_contiguous("rowstats", rowstats)
+    if N == 0:
+        return
+    if M:
+        if slabs > 1:
+            _norm_bwd_rowstats_kernel[(M, ngroups)](
+                h, z, weight, None if is_rms_norm else mean, rstd, dy, rowstats, M, G, ngroups,
+                T.strides(h)[0], _row_stride(z), T.strides(dy)[0], float(weight_offset),
+                IS_RMS=is_rms_norm, HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate,
+                BLOCK_N=block_n, num_warps=_warps(block_n))
+        kwargs = dict(IS_RMS=is_rms_norm, HAS_BIAS=dbias is not None, HAS_DRES_OUT=dresidual_out is not None,
+                      HAS_DRES=dresidual is not None, HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate,
+                      STATS_GIVEN=slabs > 1, NUM_SLABS=slabs, ROWS=rows, BLOCK_N=block_n, num_warps=num_warps)
+
+        def args(programs):
+            return (h, z, weight, None if is_rms_norm else mean, rstd, dy, dresidual_out,
+                    rowstats if slabs > 1 else None, dx, dresidual, dz, partials, M, G, ngroups, programs,
+                    num_partials * N, T.strides(h)[0], _row_stride(z), T.strides(dy)[0], _row_stride(dresidual_out),
+                    T.strides(dx)[0], _row_stride(dresidual), _row_stride(dz), float(weight_offset))
+
+        per_sm = programs_per_sm or _resident_programs_per_sm(_norm_bwd_kernel, args(1), kwargs, num_warps)
+        programs = max(1, min(num_partials, triton.cdiv(M, rows), _num_sms() * per_sm // (ngroups * slabs)))
+        _norm_bwd_kernel[(programs, ngroups * slabs)](*args(programs), **kwargs)
+    # with no rows dweight and dbias are sums over no partial rows: zeros
+    _sum_partials_kernel[(triton.cdiv(N, _SUM_BLOCK_N), n_sums)](
+        partials, dweight, dbias, programs if M else 0, N, num_partials * N, HAS_BIAS=dbias is not None,
+        BLOCK_P=_SUM_BLOCK_P, BLOCK_N=_SUM_BLOCK_N, num_warps=4)
+
+
+def compile_cases():
+    """Launches for the compile-only check (SpecTensor arguments): per dtype, LayerNorm with bias,
+    an fp32 residual stream and prenorm at the canonical width; RMSNorm at 65536 (chunked forward,
+    backward in slabs); the gated RMSNorm with groups and the gate first."""
+    f32 = "float32"
+    for dtype in T.FLOAT_DTYPES:
+        M, N = 16384, 4096
+        x, res, res_out = T.SpecTensor((M, N), dtype), T.SpecTensor((M, N), f32), T.SpecTensor((M, N), f32)
+        w, b, stat = T.SpecTensor((N,), f32), T.SpecTensor((N,), f32), T.SpecTensor((M,), f32)
+        partials, _ = bwd_workspace_shapes(M, N, True)
+        yield f"layer_norm_fwd[{dtype},N={N},residual]", lambda x=x, r=res, ro=res_out, w=w, b=b, s=stat: \
+            norm_fwd(x, w, b, x, s, s, residual=r, residual_out=ro)
+        yield f"layer_norm_bwd[{dtype},N={N},residual]", lambda x=x, ro=res_out, w=w, b=b, s=stat, p=partials: \
+            norm_bwd(ro, w, s, s, x, x, w, T.SpecTensor(p, f32), dbias=b, dresidual_out=ro, dresidual=ro)
+
+        M, N = 64, 65536
+        x, w, stat = T.SpecTensor((M, N), dtype), T.SpecTensor((N,), dtype), T.SpecTensor((M,), f32)
+        partials, rowstats = bwd_workspace_shapes(M, N, False)
+        yield f"rms_norm_fwd[{dtype},N={N}]", lambda x=x, w=w, s=stat: \
+            norm_fwd(x, w, None, x, None, s, is_rms_norm=True)
+        yield f"rms_norm_bwd[{dtype},N={N}]", lambda x=x, w=w, s=stat, p=partials, r=rowstats: \
+            norm_bwd(x, w, None, s, x, x, w, T.SpecTensor(p, f32), rowstats=T.SpecTensor(r, f32), is_rms_norm=True)
+
+        M, N, group = 7, 48, 16
+        x, w, stat = T.SpecTensor((M, N), dtype), T.SpecTensor((N,), dtype), T.SpecTensor((M * 3,), f32)
+        partials, _ = bwd_workspace_shapes(M, N, False, group_size=group)
+        yield f"gated_rms_norm_fwd[{dtype},N={N},group={group}]", lambda x=x, w=w, s=stat: \
+            norm_fwd(x, w, None, x, None, s, z=x, is_rms_norm=True, group_size=group, norm_before_gate=False)
+        yield f"gated_rms_norm_bwd[{dtype},N={N},group={group}]", lambda x=x, w=w, s=stat, p=partials: \
+            norm_bwd(x, w, None, s, x, x, w, T.SpecTensor(p, f32), z=x, dz=x, is_rms_norm=True,
+                     group_size=group, norm_before_gate=False)

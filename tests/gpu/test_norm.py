@@ -1,0 +1,223 @@
+"""LayerNorm / RMSNorm (Triton and CUDA) and gated RMSNorm (Triton) on the GPU against float64:
+every output poisoned (NaN) before the kernels write it, workspaces included; fp32/fp16/bf16;
+hidden sizes 1, odd, 4096, past one register block and 65536; 1 and many rows; residual streams of
+another dtype; unaligned rows; rows past 2^31 elements.
+
+``python tests/gpu/test_norm.py`` runs each kernel once on small shapes (for compute-sanitizer).
+"""
+
+import numpy as np
+import pytest
+
+from paddlenlp_fused.kernels.cuda import norm as cuda_norm
+from paddlenlp_fused.kernels.triton import norm as triton_norm
+from paddlenlp_fused.testing.numerics import assert_close, bound_for
+
+KERNELS = {"triton": triton_norm, "cuda": cuda_norm}
+DTYPES = ("float32", "float16", "bfloat16")
+SHAPES = [(1, 1), (300, 1), (37, 7), (1, 4096), (1000, 4096), (257, 8192), (5, 12345), (64, 65536)]  # (M, N)
+
+
+def _workspace(provider, backend, M, N, dtype, has_bias, group_size=None):
+    if backend == "cuda":
+        partials, rowstats = cuda_norm.bwd_workspace_shapes(M, N, dtype, has_bias)
+    else:
+        partials, rowstats = triton_norm.bwd_workspace_shapes(M, N, has_bias, group_size)
+    return provider.poisoned(partials, "float32"), None if rowstats is None else provider.poisoned(rowstats, "float32")
+
+
+def _round(provider, a, dtype):
+    return provider.to_numpy(provider.from_numpy(a, dtype))
+
+
+def _reference(h, w, b, dy, dres_out, eps, is_rms):
+    """float64 y, dh (incl. dres_out), dweight, dbias, rstd of a norm over the last axis."""
+    mean = 0.0 if is_rms else h.mean(-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(((h - mean) ** 2).mean(-1, keepdims=True) + eps)
+    xhat = (h - mean) * rstd
+    y = xhat * w + (0.0 if b is None else b)
+    wdy = dy * w
+    c2 = 0.0 if is_rms else wdy.mean(-1, keepdims=True)
+    dh = (wdy - xhat * (xhat * wdy).mean(-1, keepdims=True) - c2) * rstd
+    if dres_out is not None:
+        dh = dh + dres_out
+    return y, dh, (dy * xhat).sum(0), dy.sum(0), rstd
+
+
+def _run(provider, backend, x, w, b, dy, *, residual=None, res_out_dtype=None, dres_out=None, eps=1e-5,
+         is_rms=False, weight_offset=0.0):
+    """Forward and backward of one backend on poisoned outputs; returns them as float64 arrays."""
+    K = KERNELS[backend]
+    M, N = x.shape
+    dtype = str(x.dtype).split(".")[-1]
+    y, rstd = provider.poisoned((M, N), dtype), provider.poisoned((M,), "float32")
+    mean = None if is_rms else provider.poisoned((M,), "float32")
+    res_out = None if res_out_dtype is None else provider.poisoned((M, N), res_out_dtype)
+    K.norm_fwd(x, w, b, y, mean, rstd, residual=residual, residual_out=res_out, eps=eps, is_rms_norm=is_rms,
+               weight_offset=weight_offset)
+    dx = provider.poisoned((M, N), dtype)
+    res_dtype = None if residual is None else str(residual.dtype).split(".")[-1]
+    dres = provider.poisoned((M, N), res_dtype) if res_dtype not in (None, dtype) else None
+    dw = provider.poisoned(tuple(w.shape), str(w.dtype).split(".")[-1])
+    db = None if b is None else provider.poisoned(tuple(b.shape), str(b.dtype).split(".")[-1])
+    partials, rowstats = _workspace(provider, backend, M, N, dtype, b is not None)
+    K.norm_bwd(res_out if res_out is not None else x, w, mean, rstd, dy, dx, dw, partials, dbias=db,
+               dresidual_out=dres_out, dresidual=dres, rowstats=rowstats, is_rms_norm=is_rms,
+               weight_offset=weight_offset)
+    provider.synchronize()
+    out = {"y": y, "dx": dx, "dweight": dw, "dbias": db, "residual_out": res_out, "dresidual": dres}
+    return {k: provider.to_numpy(v) for k, v in out.items() if v is not None}
+
+
+@pytest.mark.parametrize("backend", sorted(KERNELS))
+@pytest.mark.parametrize("is_rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_fwd_bwd_match_float64(provider, shape, dtype, is_rms, backend):
+    M, N = shape
+    w_dtype = "float32" if is_rms else dtype  # both weight dtypes, across the two norms
+    x = provider.randn((M, N), dtype, scale=2.0, offset=0.5)
+    w = provider.randn((N,), w_dtype)
+    b = None if is_rms else provider.randn((N,), w_dtype)
+    dy = provider.randn((M, N), dtype)
+    offset = 1.0 if is_rms else 0.0
+    got = _run(provider, backend, x, w, b, dy, eps=1e-5, is_rms=is_rms, weight_offset=offset)
+    w64 = provider.to_numpy(w) + offset
+    dy64 = provider.to_numpy(dy)
+    y, dh, dw, db, rstd = _reference(provider.to_numpy(x), w64, None if b is None else provider.to_numpy(b), dy64,
+                                     None, 1e-5, is_rms)
+    assert_close("y", got["y"], y, dtype)
+    if N == 1:  # exact dx: 0 (LayerNorm) or O(eps) (RMSNorm), all cancellation; measured against
+        # the size of the terms that cancel, |w dy| rstd
+        err = np.linalg.norm(got["dx"] - dh) / np.linalg.norm(w64 * dy64 * rstd)
+        assert err <= bound_for(dtype), f"dx ({dtype}, N=1): error {err:.3e} of |w dy| rstd"
+    else:
+        assert_close("dx", got["dx"], dh, dtype)
+    assert_close("dweight", got["dweight"], dw, dtype)
+    if b is not None:
+        assert_close("dbias", got["dbias"], db, dtype)
+
+
+@pytest.mark.parametrize("backend", sorted(KERNELS))
+@pytest.mark.parametrize("N", [2048, 777, 16384])
+@pytest.mark.parametrize("dtype,res_dtype,res_out_dtype", [("bfloat16", "float32", "float32"),
+                                                           ("bfloat16", "bfloat16", "float32"),
+                                                           ("float16", "float16", "float16")])
+def test_residual_stream_and_its_gradient(provider, dtype, res_dtype, res_out_dtype, N, backend):
+    """h = x + residual rounded to residual_out's dtype and stored; the backward adds the stream's
+    gradient and writes the residual's gradient in its own dtype."""
+    M = 333
+    x, res = provider.randn((M, N), dtype), provider.randn((M, N), res_dtype)
+    w, b = provider.randn((N,), dtype), provider.randn((N,), dtype)
+    dy, dres_out = provider.randn((M, N), dtype), provider.randn((M, N), res_out_dtype)
+    got = _run(provider, backend, x, w, b, dy, residual=res, res_out_dtype=res_out_dtype, dres_out=dres_out)
+    h = _round(provider, provider.to_numpy(x) + provider.to_numpy(res), res_out_dtype)
+    y, dh, dw, db, _ = _reference(h, provider.to_numpy(w), provider.to_numpy(b), provider.to_numpy(dy),
+                                  provider.to_numpy(dres_out), 1e-5, False)
+    np.testing.assert_array_equal(got["residual_out"], h)
+    assert_close("y", got["y"], y, dtype)
+    assert_close("dx", got["dx"], dh, dtype)
+    if "dresidual" in got:
+        assert_close("dresidual", got["dresidual"], dh, res_dtype)
+    assert_close("dweight", got["dweight"], dw, dtype)
+    assert_close("dbias", got["dbias"], db, dtype)
+
+
+@pytest.mark.parametrize("backend", sorted(KERNELS))
+def test_unaligned_rows_and_no_rows(provider, backend):
+    """Rows at an odd stride (element-wise path) and an empty batch (zero weight gradients)."""
+    M, N = 50, 1000
+    big = provider.randn((M, N + 3), "bfloat16")
+    x = big[:, 1:N + 1]
+    w, b, dy = provider.randn((N,), "bfloat16"), provider.randn((N,), "bfloat16"), provider.randn((M, N), "bfloat16")
+    got = _run(provider, backend, x, w, b, dy)
+    y, dh, dw, db, _ = _reference(provider.to_numpy(x), provider.to_numpy(w), provider.to_numpy(b),
+                                  provider.to_numpy(dy), None, 1e-5, False)
+    for name, ref in (("y", y), ("dx", dh), ("dweight", dw), ("dbias", db)):
+        assert_close(name, got[name], ref, "bfloat16")
+
+    empty = provider.randn((0, N), "bfloat16")
+    got = _run(provider, backend, empty, w, b, empty)
+    assert np.array_equal(got["dweight"], np.zeros(N)) and np.array_equal(got["dbias"], np.zeros(N))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,group_size,norm_before_gate", [(4096, 1024, True), (4096, None, False),
+                                                           (24, 8, False), (40000, 20000, True)])
+def test_gated_rms_norm_matches_float64(provider, N, group_size, norm_before_gate, dtype):
+    M = 129
+    x, z, w, dy = (provider.randn((M, N), dtype), provider.randn((M, N), dtype), provider.randn((N,), dtype),
+                   provider.randn((M, N), dtype))
+    G = group_size or N
+    y, rstd = provider.poisoned((M, N), dtype), provider.poisoned((M * (N // G),), "float32")
+    triton_norm.norm_fwd(x, w, None, y, None, rstd, z=z, eps=1e-6, is_rms_norm=True, group_size=group_size,
+                         norm_before_gate=norm_before_gate)
+    dx, dz, dw = provider.poisoned((M, N), dtype), provider.poisoned((M, N), dtype), provider.poisoned((N,), dtype)
+    partials, rowstats = _workspace(provider, "triton", M, N, dtype, False, group_size)
+    triton_norm.norm_bwd(x, w, None, rstd, dy, dx, dw, partials, z=z, dz=dz, rowstats=rowstats, is_rms_norm=True,
+                         group_size=group_size, norm_before_gate=norm_before_gate)
+    provider.synchronize()
+
+    x64, z64, w64, dy64 = (provider.to_numpy(t) for t in (x, z, w, dy))
+    sig = 1 / (1 + np.exp(-z64))
+    silu, dsilu = z64 * sig, sig * (1 + z64 * (1 - sig))
+    h = x64 if norm_before_gate else x64 * silu
+    hg = h.reshape(M, N // G, G)
+    rs = 1 / np.sqrt((hg * hg).mean(-1, keepdims=True) + 1e-6)
+    xhat = (hg * rs).reshape(M, N)
+    g = dy64 * silu if norm_before_gate else dy64  # gradient at xhat * w
+    wdy = (g * w64).reshape(M, N // G, G)
+    dh = ((wdy - (hg * rs) * ((hg * rs) * wdy).mean(-1, keepdims=True)) * rs).reshape(M, N)
+    ref_y = xhat * w64 * (silu if norm_before_gate else 1.0)
+    ref_dx = dh if norm_before_gate else dh * silu
+    ref_dz = dy64 * xhat * w64 * dsilu if norm_before_gate else dh * x64 * dsilu
+    assert_close("gated y", provider.to_numpy(y), ref_y, dtype)
+    assert_close("gated dx", provider.to_numpy(dx), ref_dx, dtype)
+    assert_close("gated dz", provider.to_numpy(dz), ref_dz, dtype)
+    assert_close("gated dweight", provider.to_numpy(dw), (g * xhat).sum(0), dtype)
+
+
+@pytest.mark.parametrize("backend", sorted(KERNELS))
+def test_rows_past_2_31_elements(provider, backend):
+    """x has 2^31 + 65536 elements: 64-bit row offsets in the forward and backward (tail rows)."""
+    N = 65536
+    M = 2**31 // N + 1
+    x, w, dy = provider.randn((M, N), "bfloat16"), provider.randn((N,), "bfloat16"), provider.randn((M, N), "bfloat16")
+    y, mean, rstd = provider.poisoned((M, N), "bfloat16"), provider.empty((M,), "float32"), provider.empty((M,), "float32")
+    K = KERNELS[backend]
+    K.norm_fwd(x, w, None, y, mean, rstd)
+    dx, dw = provider.poisoned((M, N), "bfloat16"), provider.empty((N,), "bfloat16")
+    partials, rowstats = _workspace(provider, backend, M, N, "bfloat16", False)
+    K.norm_bwd(x, w, mean, rstd, dy, dx, dw, partials, rowstats=rowstats)
+    provider.synchronize()
+    ref_y, ref_dx, _, _, _ = _reference(provider.to_numpy(x[-2:]), provider.to_numpy(w), None,
+                                     provider.to_numpy(dy[-2:]), None, 1e-5, False)
+    assert_close("tail y", provider.to_numpy(y[-2:]), ref_y, "bfloat16")
+    assert_close("tail dx", provider.to_numpy(dx[-2:]), ref_dx, "bfloat16")
+    assert np.isfinite(provider.to_numpy(dw)).all()
+
+
+def sanitize_smoke() -> None:
+    """Each kernel path once on small shapes, checked: for ``compute-sanitizer --tool memcheck``."""
+    from paddlenlp_fused.testing.providers import gpu_provider
+
+    provider = gpu_provider()
+    for backend in sorted(KERNELS):
+        for M, N in ((5, 256), (3, 12345), (4, 7)):  # aligned, column slabs + chunks, element-wise
+            x, res = provider.randn((M, N), "bfloat16"), provider.randn((M, N), "float32")
+            w, b, dy = provider.randn((N,), "float32"), provider.randn((N,), "float32"), provider.randn((M, N), "bfloat16")
+            dres_out = provider.randn((M, N), "float32")
+            got = _run(provider, backend, x, w, b, dy, residual=res, res_out_dtype="float32", dres_out=dres_out)
+            h = provider.to_numpy(x) + provider.to_numpy(res)
+            ref = _reference(h, provider.to_numpy(w), provider.to_numpy(b), provider.to_numpy(dy),
+                             provider.to_numpy(dres_out), 1e-5, False)
+            for name, r in zip(("y", "dx", "dweight", "dbias"), ref[:4]):
+                assert_close(f"{backend} {name} [{M}, {N}]", got[name], r, "bfloat16")
+            print(f"ok {backend} layer_norm residual [{M}, {N}]", flush=True)
+    provider.synchronize()
+    test_gated_rms_norm_matches_float64(provider, 24, 8, False, "bfloat16")
+    print("ok triton gated_rms_norm [129, 24]", flush=True)
+
+
+if __name__ == "__main__":
+    sanitize_smoke()
