@@ -1,0 +1,653 @@
+"""Linear cross-entropy: the loss of ``logits = hidden @ W^T (+ bias)`` without ``[T, V]`` logits.
+
+Shapes (T tokens, D hidden, V vocabulary rows held by this rank):
+    hidden ``[T, D]``; weight ``[V, D]`` (``transpose_y=True``) or ``[D, V]`` (``transpose_y=False``),
+    read through the pair ``(stride_wv, stride_wd)`` so both layouts take the same kernels;
+    bias ``[V]``; labels ``[T]`` int (global vocabulary ids; this rank holds ``[vocab_start,
+    vocab_start + V)``).
+
+Per token, with ``a = h W^T + b`` and ``s = softcap(a) = c tanh(a / c)`` (or ``s = a``):
+    lse = log sum_v exp(s_v);  loss = lse - (1 - eps) s_y - eps / V_total * sum_v s_v + z lse^2.
+
+Forward (one GEMM-equivalent): ``lse_partials`` tiles tokens x vocabulary, computes each logit tile
+on the tensor cores (fp32 accumulation) and folds it into an online max / sum-exp, the target logit
+and the logit sum; ``combine_partials`` merges the vocabulary splits into per-token ``stats [3, T]``
+(lse, target logit, logit sum of this rank's vocabulary); ``token_loss`` turns (all-reduced) stats
+into the per-token loss.
+
+Backward (three GEMM-equivalents), over vocabulary chunks of ``Vc`` rows so that scratch stays
+``T * Vc`` elements: ``grad_logits`` recomputes the chunk's logits and writes
+``G = f'(a) * (coef_p * softmax - coef_y * ((1 - eps) onehot + eps / V_total))`` (``[T, Vc]``, input
+dtype); ``dW[chunk] = G^T h`` is complete in one GEMM (no atomics); ``dh += G W[chunk]`` is accumulated
+over chunks in fp32 registers and stored compensated (bf16/fp16 ``hi`` in dh plus a ``lo`` residual
+buffer), so the sum over ~V/Vc chunks keeps fp32-like accuracy. The bias gradient is a column sum of
+G (fp32 atomics, then ``scale_cast``).
+
+Optional gradient filter: a G tile whose entries are all below ``filter_eps`` is written as zeros and
+flagged, and the two gradient GEMMs skip flagged blocks. ``filter_eps=None`` is the exact mode.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import triton
+import triton.language as tl
+
+from ...runtime import tensor as T
+
+NUM_SMS_GUESS = 132  # H100/H200; only shapes the forward's split count
+MAX_SPLITS = 48
+DEFAULT_CHUNK_BYTES = 32 * 2**20  # the backward's G workspace
+AUTO_FILTER_EPS = 2.0**-12
+
+
+class TileConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+class Tiles(NamedTuple):
+    """Tile configs of the three GEMM kernels: the forward's logit tiles (``block_m`` tokens x
+    ``block_n`` vocabulary), the backward's G tiles (which also set the filter-flag blocks), and the
+    dW / dh products."""
+    forward: TileConfig
+    grad: TileConfig
+    matmul: TileConfig
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def default_tiles(dtype: str) -> Tiles:
+    """Fixed configs (no autotuning: predictable compile time). 16-bit inputs: the two kernels with
+    a softmax epilogue take 128x128x64 tiles, 8 warps, 4 stages (no register spills on sm_90 per
+    ptxas; 128x256 spills there); the plain dW / dh products take 128x256x64, 8 warps, 3 stages
+    (144 KB of shared memory). fp32 runs on CUDA cores in IEEE precision, in small tiles. The
+    interpreter takes small tiles for speed."""
+    if _interpreting():
+        cfg = TileConfig(16, 32, 16, 4, 1, 1)
+        return Tiles(cfg, cfg, cfg)
+    if dtype == "float32":
+        cfg = TileConfig(64, 64, 16, 8, 4, 2)
+        return Tiles(cfg._replace(group_m=16), cfg, cfg)
+    softmax_tiles = TileConfig(128, 128, 64, 8, 8, 4)
+    return Tiles(softmax_tiles._replace(group_m=16), softmax_tiles, TileConfig(128, 256, 64, 8, 8, 3))
+
+
+# ----------------------------------------------------------------------------------------------
+# device helpers
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    # The interpreter computes 16-bit dots wrongly: it gets fp32 operands.
+    if INTERPRET:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _tile_mm(a_ptr, b_ptr, rows, cols, K, stride_am, stride_ak, stride_bk, stride_bn,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             EVEN_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, K_TILES: tl.constexpr):
+    """acc[BLOCK_M, BLOCK_N] = A[rows, :K] @ B[:K, cols] in fp32; rows/cols already in range.
+    K_TILES: 0 (compiled: runtime trip count) or cdiv(K, BLOCK_K) (interpreter, see _loop_count)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols.to(tl.int64)[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K_TILES if K_TILES else tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = _dot(a, b, acc, PRECISION, INTERPRET)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
+def _grouped_pid(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """Tile (m, n) of program ``pid``, GROUP_M m-tiles per band so running tiles share operands in L2."""
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _tanh(x):
+    # 1 - 2 / (exp(2x) + 1): saturates cleanly to +-1 (exp overflow -> inf -> 1).
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _logits(acc, bias_ptr, cols, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
+    """s = softcap(acc + bias) for a tile; ``cols`` are in-range vocabulary rows."""
+    a = acc
+    if HAS_BIAS:
+        a = a + tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+    if SOFTCAP:
+        a = softcap * _tanh(a / softcap)
+    return a
+
+
+# ----------------------------------------------------------------------------------------------
+# forward
+
+
+@triton.jit
+def _fold_tile(h_ptr, w_ptr, bias_ptr, rows, labels, vt, m_i, l_i, tgt, total, V, D,
+               stride_ht, stride_hd, stride_wv, stride_wd, softcap,
+               HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, NEED_SUM: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               EVEN_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, K_TILES: tl.constexpr):
+    """Folds vocabulary tile ``vt`` into the running (max, sum-exp, target logit, logit sum)."""
+    offs_n = vt * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = offs_n % V
+    acc = _tile_mm(h_ptr, w_ptr, rows, cols, D, stride_ht, stride_hd, stride_wd, stride_wv,
+                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, INTERPRET, K_TILES)
+    s = _logits(acc, bias_ptr, cols, softcap, HAS_BIAS, SOFTCAP)
+    in_vocab = (offs_n < V)[None, :]
+    s_masked = tl.where(in_vocab, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s_masked, 1))
+    l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s_masked - m_new[:, None]), 1)
+    tgt += tl.sum(tl.where(in_vocab & (offs_n[None, :] == labels[:, None]), s, 0.0), 1)
+    if NEED_SUM:
+        total += tl.sum(tl.where(in_vocab, s, 0.0), 1)
+    return m_new, l_i, tgt, total
+
+
+@triton.jit
+def _lse_partials_kernel(h_ptr, w_ptr, bias_ptr, labels_ptr, part_ptr,
+                         n_tok, V, D, vocab_start, n_tblk, n_split, tiles_per_split, n_vtiles,
+                         stride_ht, stride_hd, stride_wv, stride_wd, stride_label, softcap,
+                         HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, NEED_SUM: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                         INTERPRET: tl.constexpr, K_TILES: tl.constexpr, SPLIT_TILES: tl.constexpr):
+    """Program (token block, vocabulary split): loops over the split's vocabulary tiles, folding each
+    logit tile into (max, sum-exp, target logit, logit sum); writes part[4, n_split, n_tok]."""
+    tblk, split = _grouped_pid(tl.program_id(0), n_tblk, n_split, GROUP_M)
+    offs_m = tblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = offs_m % n_tok
+    labels = tl.load(labels_ptr + rows.to(tl.int64) * stride_label).to(tl.int64) - vocab_start
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    tgt = tl.zeros([BLOCK_M], tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    vt_start = split * tiles_per_split
+    if SPLIT_TILES == 0:
+        for vt in range(vt_start, tl.minimum(vt_start + tiles_per_split, n_vtiles)):
+            m_i, l_i, tgt, total = _fold_tile(
+                h_ptr, w_ptr, bias_ptr, rows, labels, vt, m_i, l_i, tgt, total, V, D,
+                stride_ht, stride_hd, stride_wv, stride_wd, softcap, HAS_BIAS, SOFTCAP, NEED_SUM,
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, INTERPRET, K_TILES)
+    else:  # interpreter: a constant trip count (see _loop_count)
+        for i in range(0, SPLIT_TILES):
+            if vt_start + i < n_vtiles:
+                m_i, l_i, tgt, total = _fold_tile(
+                    h_ptr, w_ptr, bias_ptr, rows, labels, vt_start + i, m_i, l_i, tgt, total, V, D,
+                    stride_ht, stride_hd, stride_wv, stride_wd, softcap, HAS_BIAS, SOFTCAP, NEED_SUM,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, INTERPRET, K_TILES)
+    plane = n_split * n_tok
+    out = part_ptr + split * n_tok + offs_m
+    keep = offs_m < n_tok
+    tl.store(out, m_i, mask=keep)
+    tl.store(out + plane, l_i, mask=keep)
+    tl.store(out + 2 * plane, tgt, mask=keep)
+    tl.store(out + 3 * plane, total, mask=keep)
+
+
+@triton.jit
+def _combine_kernel(part_ptr, stats_ptr, n_tok, n_split, BLOCK: tl.constexpr, N_SPLIT: tl.constexpr):
+    """stats[0] = lse, stats[1] = target logit, stats[2] = logit sum over this rank's vocabulary."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < n_tok
+    plane = n_split * n_tok
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    for s in range(0, N_SPLIT if N_SPLIT else n_split):
+        m = tl.maximum(m, tl.load(part_ptr + s * n_tok + offs, mask=keep, other=0.0))
+    l_sum = tl.zeros([BLOCK], tl.float32)
+    tgt = tl.zeros([BLOCK], tl.float32)
+    total = tl.zeros([BLOCK], tl.float32)
+    for s in range(0, N_SPLIT if N_SPLIT else n_split):
+        ptr = part_ptr + s * n_tok + offs
+        m_s = tl.load(ptr, mask=keep, other=0.0)
+        l_sum += tl.load(ptr + plane, mask=keep, other=0.0) * tl.exp(m_s - m)  # empty split: exp(-inf)
+        tgt += tl.load(ptr + 2 * plane, mask=keep, other=0.0)
+        total += tl.load(ptr + 3 * plane, mask=keep, other=0.0)
+    tl.store(stats_ptr + offs, m + tl.log(l_sum), mask=keep)
+    tl.store(stats_ptr + n_tok + offs, tgt, mask=keep)
+    tl.store(stats_ptr + 2 * n_tok + offs, total, mask=keep)
+
+
+@triton.jit
+def _token_loss_kernel(stats_ptr, labels_ptr, loss_ptr, n_tok, vocab_total, ignore_index, stride_label,
+                       label_smoothing, z_loss, BLOCK: tl.constexpr):
+    """loss = lse - (1-eps) s_y - eps/V sum(s) + z lse^2 for labelled tokens, 0 for ignored ones,
+    NaN for a label outside [0, vocab_total) (no silent wrong answer without a host sync)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < n_tok
+    lse = tl.load(stats_ptr + offs, mask=keep, other=0.0)
+    tgt = tl.load(stats_ptr + n_tok + offs, mask=keep, other=0.0)
+    total = tl.load(stats_ptr + 2 * n_tok + offs, mask=keep, other=0.0)
+    label = tl.load(labels_ptr + offs.to(tl.int64) * stride_label, mask=keep, other=0).to(tl.int64)
+    loss = lse - (1.0 - label_smoothing) * tgt - (label_smoothing / vocab_total) * total + z_loss * lse * lse
+    in_range = (label >= 0) & (label < vocab_total)
+    loss = tl.where(in_range, loss, float("nan"))
+    loss = tl.where(label == ignore_index, 0.0, loss)
+    tl.store(loss_ptr + offs, loss, mask=keep)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward
+
+
+@triton.jit
+def _grad_logits_kernel(h_ptr, w_ptr, bias_ptr, labels_ptr, lse_ptr, coef_p_ptr, coef_y_ptr,
+                        g_ptr, dbias_ptr, flag_ptr,
+                        n_tok, D, chunk_start, chunk_len, vocab_start, vocab_total,
+                        stride_ht, stride_hd, stride_wv, stride_wd, stride_label, stride_gt, stride_flag,
+                        softcap, label_smoothing, filter_eps,
+                        HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                        INTERPRET: tl.constexpr, K_TILES: tl.constexpr):
+    """G[t, j] for vocabulary rows chunk_start + j (j < chunk_len) of this rank:
+    f'(a) * (coef_p[t] * exp(s - lse[t]) - coef_y[t] * ((1-eps) [label == v] + eps / V_total))."""
+    num_m = tl.cdiv(n_tok, BLOCK_M)
+    num_n = tl.cdiv(chunk_len, BLOCK_N)
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, num_n, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = offs_m % n_tok
+    cols = chunk_start + offs_n % chunk_len
+    acc = _tile_mm(h_ptr, w_ptr, rows, cols, D, stride_ht, stride_hd, stride_wd, stride_wv,
+                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, INTERPRET, K_TILES)
+    s = _logits(acc, bias_ptr, cols, softcap, HAS_BIAS, SOFTCAP)
+    lse = tl.load(lse_ptr + rows)
+    coef_p = tl.load(coef_p_ptr + rows)
+    coef_y = tl.load(coef_y_ptr + rows)
+    label = tl.load(labels_ptr + rows.to(tl.int64) * stride_label).to(tl.int64) - vocab_start
+    onehot = tl.where(cols[None, :] == label[:, None], 1.0 - label_smoothing, 0.0) + label_smoothing / vocab_total
+    grad = coef_p[:, None] * tl.exp(s - lse[:, None]) - coef_y[:, None] * onehot
+    if SOFTCAP:
+        capped = s / softcap
+        grad = grad * (1.0 - capped * capped)
+    inside = (offs_m < n_tok)[:, None] & (offs_n < chunk_len)[None, :]
+    grad = tl.where(inside, grad, 0.0)
+    if FILTER:
+        keep = tl.max(tl.max(tl.abs(grad), 1), 0) >= filter_eps
+        grad = grad * keep.to(tl.float32)
+        tl.store(flag_ptr + pid_m * stride_flag + pid_n, keep.to(tl.int8))
+    # 64-bit tile base, 32-bit offsets inside the tile (fewer registers in the epilogue)
+    g_tile = g_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_gt + pid_n * BLOCK_N
+    local = tl.arange(0, BLOCK_M)[:, None] * stride_gt + tl.arange(0, BLOCK_N)[None, :]
+    tl.store(g_tile + local, grad.to(g_ptr.dtype.element_ty), mask=inside)
+    if HAS_BIAS:
+        tl.atomic_add(dbias_ptr + cols, tl.sum(grad, 0), mask=offs_n < chunk_len)
+
+
+@triton.jit
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, lo_ptr, scale_ptr, flag_ptr,
+                   M, N, K, a_offset, b_offset, c_offset,
+                   stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_flag,
+                   FLAG_ROWS: tl.constexpr, FLAG_COLS: tl.constexpr,
+                   EPILOGUE: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, FILTER_MODE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                   INTERPRET: tl.constexpr, K_TILES: tl.constexpr):
+    """C = scale * A @ B with fp32 accumulation, then by EPILOGUE:
+    0 store C (cast); 1 C += (fp32 C); 2 compensated: hi (C, 16-bit) + lo (residual) += ..., and on
+    the LAST call only hi = round(total) is stored. FIRST: the old C/lo are not read.
+    FILTER_MODE (which operand is G [tokens, vocab], whose tile flags are [t / FLAG_ROWS, v / FLAG_COLS]):
+    0 none; 1 A = G (m tokens, k vocab); 2 A = G^T (m vocab, k tokens); 3 B = G (k tokens, n vocab)."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, num_n, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    a_ptr += a_offset
+    b_ptr += b_offset
+    if FILTER_MODE == 0:
+        acc = _tile_mm(a_ptr, b_ptr, offs_m % M, offs_n % N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, INTERPRET, K_TILES)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + (offs_m % M).to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + (offs_n % N).to(tl.int64)[None, :] * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K_TILES if K_TILES else tl.cdiv(K, BLOCK_K)):
+            k0 = k * BLOCK_K
+            if FILTER_MODE == 1:
+                flag = tl.load(flag_ptr + (pid_m * BLOCK_M // FLAG_ROWS) * stride_flag + k0 // FLAG_COLS)
+            elif FILTER_MODE == 2:
+                flag = tl.load(flag_ptr + (k0 // FLAG_ROWS) * stride_flag + pid_m * BLOCK_M // FLAG_COLS)
+            else:
+                flag = tl.load(flag_ptr + (k0 // FLAG_ROWS) * stride_flag + pid_n * BLOCK_N // FLAG_COLS)
+            if flag != 0:
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+                b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+                acc = _dot(a, b, acc, PRECISION, INTERPRET)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+    acc = acc * tl.load(scale_ptr)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    # 64-bit tile base, 32-bit offsets inside the tile (fewer registers in the epilogue)
+    tile = c_offset + (pid_m * BLOCK_M).to(tl.int64) * stride_cm + (pid_n * BLOCK_N).to(tl.int64) * stride_cn
+    local = tl.arange(0, BLOCK_M)[:, None] * stride_cm + tl.arange(0, BLOCK_N)[None, :] * stride_cn
+    c_tile = c_ptr + tile
+    if EPILOGUE == 0:
+        tl.store(c_tile + local, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    elif EPILOGUE == 1:
+        if not FIRST:
+            acc += tl.load(c_tile + local, mask=mask, other=0.0)
+        tl.store(c_tile + local, acc, mask=mask)
+    else:
+        lo_tile = lo_ptr + tile
+        if not FIRST:
+            acc += tl.load(c_tile + local, mask=mask, other=0.0).to(tl.float32)
+            acc += tl.load(lo_tile + local, mask=mask, other=0.0).to(tl.float32)
+        hi = acc.to(c_ptr.dtype.element_ty)
+        tl.store(c_tile + local, hi, mask=mask)
+        if not LAST:
+            tl.store(lo_tile + local, (acc - hi.to(tl.float32)).to(lo_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_cast_kernel(src_ptr, scale_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < n
+    x = tl.load(src_ptr + offs, mask=keep, other=0.0) * tl.load(scale_ptr)
+    tl.store(dst_ptr + offs, x.to(dst_ptr.dtype.element_ty), mask=keep)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+
+
+class Problem(NamedTuple):
+    n_tok: int
+    D: int
+    V: int  # vocabulary rows held here
+    stride_ht: int
+    stride_hd: int
+    stride_wv: int
+    stride_wd: int
+    stride_label: int
+    dtype: str
+
+
+def _problem(hidden, weight, labels, bias, transpose_y: bool) -> Problem:
+    if len(T.shape(hidden)) != 2:
+        raise ValueError(f"hidden: expected a 2-D tensor [T, D], got shape {T.shape(hidden)}")
+    n_tok, D = T.shape(hidden)
+    if len(T.shape(weight)) != 2:
+        raise ValueError(f"weight: expected a 2-D tensor, got shape {T.shape(weight)}")
+    if transpose_y:
+        V, wd = T.shape(weight)
+        stride_wv, stride_wd = T.strides(weight)
+    else:
+        wd, V = T.shape(weight)
+        stride_wd, stride_wv = T.strides(weight)
+    if wd != D:
+        layout = "[V, D]" if transpose_y else "[D, V]"
+        raise ValueError(f"weight: expected {layout} with D={D}, got shape {T.shape(weight)}")
+    dtype = T.dtype_name(hidden)
+    if T.dtype_name(weight) != dtype:
+        raise TypeError(f"weight: expected dtype {dtype} (as hidden), got {T.dtype_name(weight)}")
+    T.check_same_shape("labels", labels, (n_tok,))
+    if T.dtype_name(labels) not in ("int64", "int32"):
+        raise TypeError(f"labels: expected int64 or int32, got {T.dtype_name(labels)}")
+    if bias is not None:
+        T.check_same_shape("bias", bias, (V,))
+        T.check_contiguous("bias", bias)
+    stride_ht, stride_hd = T.strides(hidden)
+    return Problem(n_tok, D, V, stride_ht, stride_hd, stride_wv, stride_wd, T.strides(labels)[0], dtype)
+
+
+def _loop_count(n: int) -> int:
+    """A loop trip count as a constexpr in the interpreter, 0 (= computed at run time) when compiled.
+    Triton 3.6's interpreter holds scalars (arguments and every assigned value) as 1-element arrays,
+    which numpy >= 2.4 refuses to turn into a ``range`` bound; so the kernels write
+    ``range(0, N if N else <runtime count>)`` with N from here (never through an assignment)."""
+    return n if _interpreting() else 0
+
+
+def _meta(p: Problem, cfg: TileConfig, K: int) -> dict:
+    """Compile-time arguments shared by the GEMM kernels for a reduction of length K."""
+    return dict(PRECISION="ieee" if p.dtype == "float32" else "tf32", INTERPRET=_interpreting(),
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                EVEN_K=K % cfg.block_k == 0, K_TILES=_loop_count(triton.cdiv(K, cfg.block_k)),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def forward_splits(n_tok: int, V: int, dtype: str = "bfloat16", tiles: Tiles | None = None) -> int:
+    """Vocabulary splits of the forward: at most MAX_SPLITS (the partials stay ``16 * MAX_SPLITS``
+    bytes a token whatever V is), chosen so the last wave of programs is nearly full (estimated on
+    NUM_SMS_GUESS multiprocessors)."""
+    cfg = (tiles or default_tiles(dtype)).forward
+    n_tblk = triton.cdiv(max(n_tok, 1), cfg.block_m)
+    n_vtiles = triton.cdiv(max(V, 1), cfg.block_n)
+    best, best_eff = 1, -1.0
+    for per in range(n_vtiles, triton.cdiv(n_vtiles, MAX_SPLITS) - 1, -1):  # fewest splits first
+        n_split = triton.cdiv(n_vtiles, per)
+        waves = triton.cdiv(n_tblk * n_split, NUM_SMS_GUESS)
+        eff = (n_tblk * n_vtiles) / (waves * NUM_SMS_GUESS * per)
+        if eff > best_eff + 1e-3:
+            best, best_eff = n_split, eff
+    return best
+
+
+def lse_forward(hidden, weight, labels, bias, partials, stats, *, transpose_y: bool = True,
+                vocab_start: int = 0, softcap: float | None = None, need_sum: bool = False,
+                tiles: Tiles | None = None) -> None:
+    """Per-token statistics over this rank's vocabulary, without logits.
+
+    partials: fp32 ``[4, n_split, T]`` workspace, ``n_split = forward_splits(T, V, dtype)``;
+    stats: fp32 ``[3, T]`` output (lse, target logit (0 when the label is not held here), logit sum
+    (0 unless ``need_sum``)). Labels are global ids; this rank holds ``[vocab_start, vocab_start+V)``.
+    """
+    p = _problem(hidden, weight, labels, bias, transpose_y)
+    tiles = tiles or default_tiles(p.dtype)
+    cfg = tiles.forward
+    n_split = forward_splits(p.n_tok, p.V, p.dtype, tiles)
+    T.check_same_shape("partials", partials, (4, n_split, p.n_tok))
+    T.check_same_shape("stats", stats, (3, p.n_tok))
+    for name, t in (("partials", partials), ("stats", stats)):
+        T.check_contiguous(name, t)
+        if T.dtype_name(t) != "float32":
+            raise TypeError(f"{name}: expected float32, got {T.dtype_name(t)}")
+    if p.n_tok == 0:
+        return
+    if p.V == 0:
+        raise ValueError("weight: this rank holds no vocabulary rows")
+    n_tblk = triton.cdiv(p.n_tok, cfg.block_m)
+    n_vtiles = triton.cdiv(p.V, cfg.block_n)
+    per = triton.cdiv(n_vtiles, n_split)
+    _lse_partials_kernel[(n_tblk * n_split,)](
+        hidden, weight, bias if bias is not None else hidden, labels, partials,
+        p.n_tok, p.V, p.D, vocab_start, n_tblk, n_split, per, n_vtiles,
+        p.stride_ht, p.stride_hd, p.stride_wv, p.stride_wd, p.stride_label, float(softcap or 1.0),
+        HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, NEED_SUM=need_sum,
+        SPLIT_TILES=_loop_count(per), **_meta(p, cfg, p.D))
+    block = 1024
+    _combine_kernel[(triton.cdiv(p.n_tok, block),)](partials, stats, p.n_tok, n_split, BLOCK=block,
+                                                     N_SPLIT=_loop_count(n_split))
+
+
+def token_loss(stats, labels, loss, *, vocab_total: int, ignore_index: int = -100,
+               label_smoothing: float = 0.0, z_loss: float = 0.0) -> None:
+    """loss ``[T]`` fp32 from the (global) stats ``[3, T]`` (see ``lse_forward``)."""
+    (n_tok,) = T.shape(loss)
+    T.check_same_shape("stats", stats, (3, n_tok))
+    T.check_same_shape("labels", labels, (n_tok,))
+    T.check_contiguous("stats", stats)
+    T.check_contiguous("loss", loss)
+    if n_tok == 0:
+        return
+    block = 1024
+    _token_loss_kernel[(triton.cdiv(n_tok, block),)](
+        stats, labels, loss, n_tok, vocab_total, ignore_index, T.strides(labels)[0],
+        float(label_smoothing), float(z_loss), BLOCK=block)
+
+
+class BackwardWorkspace(NamedTuple):
+    """Shapes the caller allocates for ``lce_backward``: G ``[T, Vc]`` (input dtype), lo ``[T, D]``
+    (input dtype; None for fp32), flags int8, dbias fp32 ``[V]`` (zero-filled, only with a bias)."""
+    chunk: int
+    g: tuple
+    lo: tuple | None
+    flags: tuple
+    dbias: tuple
+
+
+def backward_workspace(n_tok: int, D: int, V: int, dtype: str, chunk: int | None = None,
+                       chunk_bytes: int = DEFAULT_CHUNK_BYTES, tiles: Tiles | None = None) -> BackwardWorkspace:
+    """``Vc`` = ``chunk`` rounded to the G tile width, default about ``chunk_bytes`` of G."""
+    cfg = (tiles or default_tiles(dtype)).grad
+    if chunk is None:
+        chunk = chunk_bytes // max(1, n_tok * T.itemsize(dtype))
+    chunk = max(cfg.block_n, chunk // cfg.block_n * cfg.block_n)
+    chunk = min(chunk, triton.cdiv(max(V, 1), cfg.block_n) * cfg.block_n)
+    return BackwardWorkspace(
+        chunk, (n_tok, chunk), None if dtype == "float32" else (n_tok, D),
+        (triton.cdiv(max(n_tok, 1), cfg.block_m), chunk // cfg.block_n), (V,))
+
+
+def _filter_compatible(tiles: Tiles, transpose_y: bool) -> Tiles:
+    """The dW / dh tiles must each sit inside one flag block of G; otherwise they take G's tiles."""
+    g, mm = tiles.grad, tiles.matmul
+    ok = g.block_m % mm.block_m == 0 and g.block_n % mm.block_k == 0 and g.block_m % mm.block_k == 0
+    ok = ok and g.block_n % (mm.block_m if transpose_y else mm.block_n) == 0
+    return tiles if ok else tiles._replace(matmul=g)
+
+
+def lce_backward(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, dh, dw, dbias,
+                 g_work, lo_work, flags, dbias_acc, *, transpose_y: bool = True, vocab_start: int = 0,
+                 vocab_total: int | None = None, softcap: float | None = None, label_smoothing: float = 0.0,
+                 filter_eps: float | None = None, tiles: Tiles | None = None) -> None:
+    """Gradients for this rank's vocabulary rows, written into dh ``[T, D]`` (a partial sum over the
+    rows held here), dw (the weight's layout) and dbias ``[V]`` (or None).
+
+    lse, coef_p, coef_y: fp32 ``[T]`` (global lse; ``coef_p = dloss (1 + 2 z lse) + dlse``,
+    ``coef_y = dloss``, zero where a token carries no gradient); scale: fp32 ``[1]`` multiplying every
+    gradient (so the coefficients can be normalised and G stays in fp16 range). Workspaces as
+    ``backward_workspace`` says: g_work, lo_work (None for fp32), flags, dbias_acc (None without bias).
+    """
+    p = _problem(hidden, weight, labels, bias, transpose_y)
+    tiles = tiles or default_tiles(p.dtype)
+    vocab_total = p.V if vocab_total is None else vocab_total
+    T.check_same_shape("dh", dh, (p.n_tok, p.D))
+    T.check_contiguous("dh", dh)
+    T.check_same_shape("dw", dw, T.shape(weight))
+    for name, t in (("lse", lse), ("coef_p", coef_p), ("coef_y", coef_y)):
+        T.check_same_shape(name, t, (p.n_tok,))
+        T.check_contiguous(name, t)
+    T.check_same_shape("scale", scale, (1,))
+    chunk = T.shape(g_work)[1]
+    ws = backward_workspace(p.n_tok, p.D, p.V, p.dtype, chunk=chunk, tiles=tiles)
+    T.check_same_shape("g_work", g_work, ws.g)
+    T.check_contiguous("g_work", g_work)
+    if ws.lo is not None:
+        T.check_same_shape("lo_work", lo_work, ws.lo)
+        T.check_contiguous("lo_work", lo_work)
+    T.check_same_shape("flags", flags, ws.flags)
+    if bias is not None:
+        T.check_same_shape("dbias_acc", dbias_acc, ws.dbias)
+        T.check_same_shape("dbias", dbias, (p.V,))
+    filt = filter_eps is not None
+    if filt:
+        tiles = _filter_compatible(tiles, transpose_y)
+    if p.n_tok == 0 or p.D == 0 or p.V == 0:
+        return
+    g_cfg, mm = tiles.grad, tiles.matmul
+    stride_dwv, stride_dwd = T.strides(dw) if transpose_y else T.strides(dw)[::-1]
+    stride_flag = T.strides(flags)[0]
+    flag_blocks = dict(FLAG_ROWS=g_cfg.block_m, FLAG_COLS=g_cfg.block_n)
+    for c0 in range(0, p.V, chunk):
+        n = min(chunk, p.V - c0)
+        grid = (triton.cdiv(p.n_tok, g_cfg.block_m) * triton.cdiv(n, g_cfg.block_n),)
+        _grad_logits_kernel[grid](
+            hidden, weight, bias if bias is not None else hidden, labels, lse, coef_p, coef_y,
+            g_work, dbias_acc if bias is not None else lse, flags,
+            p.n_tok, p.D, c0, n, vocab_start, vocab_total,
+            p.stride_ht, p.stride_hd, p.stride_wv, p.stride_wd, p.stride_label, chunk, stride_flag,
+            float(softcap or 1.0), float(label_smoothing), float(filter_eps or 0.0),
+            HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, FILTER=filt, **_meta(p, g_cfg, p.D))
+        if transpose_y:  # dW[c0:c0+n, :] = G^T h  (rows of dW contiguous along D)
+            _matmul(p, mm, g_work, hidden, dw, None, scale, flags, n, p.D, p.n_tok, 0, 0, c0 * stride_dwv,
+                    (1, chunk), (p.stride_ht, p.stride_hd), (stride_dwv, stride_dwd), stride_flag,
+                    epilogue=0, first=True, last=True, filter_mode=2 if filt else 0, **flag_blocks)
+        else:  # dW^T[:, c0:c0+n] = h^T G  (dW is [D, V], contiguous along V)
+            _matmul(p, mm, hidden, g_work, dw, None, scale, flags, p.D, n, p.n_tok, 0, 0, c0 * stride_dwv,
+                    (p.stride_hd, p.stride_ht), (chunk, 1), (stride_dwd, stride_dwv), stride_flag,
+                    epilogue=0, first=True, last=True, filter_mode=3 if filt else 0, **flag_blocks)
+        # dh (+)= G W[c0:c0+n]: fp32 dh accumulates in place; 16-bit dh as hi + lo
+        _matmul(p, mm, g_work, weight, dh, lo_work, scale, flags, p.n_tok, p.D, n, 0, c0 * p.stride_wv, 0,
+                (chunk, 1), (p.stride_wv, p.stride_wd), T.strides(dh), stride_flag,
+                epilogue=1 if ws.lo is None else 2, first=c0 == 0, last=c0 + chunk >= p.V,
+                filter_mode=1 if filt else 0, **flag_blocks)
+    if bias is not None:
+        block = 1024
+        _scale_cast_kernel[(triton.cdiv(p.V, block),)](dbias_acc, scale, dbias, p.V, BLOCK=block)
+
+
+def _matmul(p: Problem, cfg: TileConfig, a, b, c, lo, scale, flags, M, N, K, a_offset, b_offset, c_offset,
+            a_strides, b_strides, c_strides, stride_flag, *, epilogue, first, last, filter_mode, FLAG_ROWS,
+            FLAG_COLS):
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    _matmul_kernel[grid](
+        a, b, c, lo if lo is not None else c, scale, flags, M, N, K, a_offset, b_offset, c_offset,
+        a_strides[0], a_strides[1], b_strides[0], b_strides[1], c_strides[0], c_strides[1], stride_flag,
+        FLAG_ROWS=FLAG_ROWS, FLAG_COLS=FLAG_COLS, EPILOGUE=epilogue, FIRST=first, LAST=last,
+        FILTER_MODE=filter_mode, **_meta(p, cfg, K))
+
+
+def flops(n_tok: int, D: int, V: int) -> dict:
+    """Matrix FLOPs: the forward's logits; the backward's logits, dW and dh; the 3-GEMM floor."""
+    gemm = 2 * n_tok * D * V
+    return {"fwd": gemm, "bwd": 3 * gemm, "fwdbwd": 4 * gemm, "floor_fwdbwd": 3 * gemm}
+
+
+def compile_cases():
+    """The canonical bf16 case (plain, and with bias, softcap, smoothing and the filter) and a small
+    fp32 case in the [D, V] layout."""
+    cases = [("bfloat16", 8192, 4096, 128256, True, False), ("bfloat16", 8192, 4096, 128256, True, True),
+             ("float32", 37, 48, 300, False, True)]
+    for dtype, n_tok, D, V, transpose_y, options in cases:
+        spec = T.SpecTensor
+        hidden, labels = spec((n_tok, D), dtype), spec((n_tok,), "int64")
+        weight = spec((V, D) if transpose_y else (D, V), dtype)
+        bias = spec((V,), dtype) if options else None
+        partials = spec((4, forward_splits(n_tok, V, dtype), n_tok), "float32")
+        stats, vec, scale = spec((3, n_tok), "float32"), spec((n_tok,), "float32"), spec((1,), "float32")
+        ws = backward_workspace(n_tok, D, V, dtype)
+        work = (spec(ws.g, dtype), spec(ws.lo, dtype) if ws.lo else None, spec(ws.flags, "int8"),
+                spec(ws.dbias, "float32") if options else None)
+        grads = (spec((n_tok, D), dtype), spec(weight.shape, dtype), spec((V,), dtype) if options else None)
+        opts = dict(transpose_y=transpose_y, softcap=30.0 if options else None)
+        tag = f"{dtype},T={n_tok},D={D},V={V},{'VD' if transpose_y else 'DV'}{',options' if options else ''}"
+        yield f"lce_forward[{tag}]", lambda a=(hidden, weight, labels, bias, partials, stats), o=opts, \
+            ns=options: lse_forward(*a, need_sum=ns, **o)
+        yield f"lce_token_loss[{tag}]", lambda a=(stats, labels, vec), V=V: token_loss(
+            *a, vocab_total=V, label_smoothing=0.1)
+        yield f"lce_backward[{tag}]", lambda a=(hidden, weight, labels, bias, vec, vec, vec, scale) + grads + work, \
+            o=opts, f=options: lce_backward(*a, label_smoothing=0.1 if f else 0.0,
+                                            filter_eps=AUTO_FILTER_EPS if f else None, **o)

@@ -1,0 +1,93 @@
+"""``LinearCrossEntropy``: LM head + loss in one layer, without the ``[tokens, V]`` logits.
+
+Replaces PaddleNLP's ``LMHead`` + ``PretrainingCriterion`` (loss of ``hidden @ W``), vocabulary
+parallel over fleet's model-parallel group. The weight is the layer's own ``[D, V]`` parameter
+(``transpose_y=False``, PaddleNLP LLaMA's layout) or ``[V, D]`` (``transpose_y=True``), or an existing
+parameter passed as ``weight=`` (a tied ``[V, D]`` embedding with ``transpose_y=True``). The functional
+path is ``paddlenlp_fused.ops.linear_cross_entropy.linear_cross_entropy``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import paddle.nn as nn
+
+from ..distributed import comm
+from ..ops.linear_cross_entropy import REDUCTIONS, linear_cross_entropy
+
+
+def _sharded_rng():
+    """fleet's model-parallel RNG state when it is set up (sharded weights differ across ranks)."""
+    try:
+        from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
+    except ImportError:  # pragma: no cover - fleet ships with paddle
+        return contextlib.nullcontext()
+    tracker = get_rng_state_tracker()
+    return tracker.rng_state() if "model_parallel_rng" in tracker.states_ else contextlib.nullcontext()
+
+
+class LinearCrossEntropy(nn.Layer):
+    """``forward(hidden [..., D], labels [...])`` -> the cross-entropy of ``hidden @ W (+ bias)``.
+
+    ``tensor_parallel_output``: None (default) means True when fleet's model-parallel group has
+    more than one rank. True: this rank holds ``vocab_size / n`` vocabulary rows (weight marked
+    ``is_distributed`` with ``split_axis`` on the vocabulary axis) and the loss is combined across the
+    group; False: the weight is replicated and each rank computes the dense loss.
+    ``sequence_parallel``: hidden and labels are this rank's sequence chunk (gathered inside).
+    The loss options (``ignore_index``, ``reduction``, ``label_smoothing``, ``z_loss``, ``softcap``,
+    ``shift``, ``filter_eps``, ``backend``) are those of ``linear_cross_entropy``.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, transpose_y: bool = False, tensor_parallel_output=None,
+                 ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                 z_loss: float = 0.0, softcap=None, shift=False, has_bias: bool = False,
+                 sequence_parallel: bool = False, weight=None, weight_attr=None, bias_attr=None,
+                 filter_eps=None, backend: str = "auto"):
+        super().__init__()
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+        group = comm.model_parallel_group()
+        if tensor_parallel_output is None:
+            tensor_parallel_output = group is not None
+        self.tp_group = group if tensor_parallel_output else None
+        world = self.tp_group.world_size if self.tp_group is not None else 1
+        if vocab_size % world:
+            raise ValueError(f"vocab_size: {vocab_size} does not split over {world} model-parallel ranks")
+        local_vocab = vocab_size // world
+        self.hidden_size, self.vocab_size, self.local_vocab = hidden_size, vocab_size, local_vocab
+        self.transpose_y = bool(transpose_y)
+        self.options = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                            z_loss=z_loss, softcap=softcap, shift=shift, filter_eps=filter_eps, backend=backend)
+        self.sequence_parallel = bool(sequence_parallel)
+        shape = [local_vocab, hidden_size] if self.transpose_y else [hidden_size, local_vocab]
+        vocab_axis = 0 if self.transpose_y else 1
+        if weight is not None:
+            if list(weight.shape) != shape:
+                raise ValueError(f"weight: expected shape {shape} (transpose_y={self.transpose_y}, "
+                                 f"{world} model-parallel rank(s)), got {list(weight.shape)}")
+            self.weight = weight  # tied: the same parameter object as its owner's (e.g. an embedding)
+        else:
+            with _sharded_rng() if world > 1 else contextlib.nullcontext():
+                self.weight = self.create_parameter(shape, attr=weight_attr, dtype=self._dtype)
+            self._mark_distributed(self.weight, world, vocab_axis)
+        self.bias = None
+        if has_bias:
+            self.bias = self.create_parameter([local_vocab], attr=bias_attr, dtype=self.weight.dtype, is_bias=True)
+            self._mark_distributed(self.bias, world, 0)
+
+    @staticmethod
+    def _mark_distributed(param, world: int, axis: int) -> None:
+        param.is_distributed = world > 1
+        if world > 1:
+            param.split_axis = axis
+
+    def forward(self, hidden, labels, return_lse: bool = False):
+        return linear_cross_entropy(hidden, self.weight, labels, bias=self.bias, transpose_y=self.transpose_y,
+                                    return_lse=return_lse, tp_group=self.tp_group,
+                                    sequence_parallel=self.sequence_parallel, **self.options)
+
+    def extra_repr(self) -> str:
+        tp = f", tensor_parallel={self.tp_group.world_size}" if self.tp_group is not None else ""
+        return (f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, transpose_y={self.transpose_y}"
+                f"{tp}, reduction={self.options['reduction']!r}")

@@ -1,0 +1,142 @@
+"""LinearCrossEntropy kernels on the GPU against float64: per-token stats and loss, dh, dW, dbias,
+both weight layouts, a vocabulary shard (vocab_start), odd shapes, fp32/fp16/bf16, poisoned outputs
+and workspaces, the gradient filter, and a weight with more than 2^31 elements."""
+
+import numpy as np
+import pytest
+
+from paddlenlp_fused.kernels.triton import linear_cross_entropy as K
+from paddlenlp_fused.testing.numerics import assert_close, rel_err
+
+# (dtype, T, D, V, transpose_y, options)
+CASES = [
+    ("bfloat16", 1000, 512, 32000, True, False),
+    ("bfloat16", 333, 200, 5003, False, True),
+    ("float16", 77, 136, 3001, True, True),
+    ("float32", 50, 72, 999, False, False),
+]
+VOCAB_START, VOCAB_TOTAL = 1000, 50000  # the weight holds ids [1000, 1000 + V) of 50000
+
+
+def _reference(h, w_vd, b, labels, coef_p, coef_y, scale, softcap, eps, z):
+    """float64 stats (lse, target logit, logit sum), per-token loss and gradients (dh, dW [V, D], db)."""
+    a = h @ w_vd.T + (b if b is not None else 0.0)
+    s = softcap * np.tanh(a / softcap) if softcap else a
+    peak = s.max(axis=1, keepdims=True)
+    lse = np.log(np.exp(s - peak).sum(axis=1)) + peak[:, 0]
+    local = labels - VOCAB_START
+    held = (local >= 0) & (local < w_vd.shape[0])
+    tgt = np.where(held, s[np.arange(len(labels)), np.clip(local, 0, w_vd.shape[0] - 1)], 0.0)
+    total = s.sum(axis=1) if eps else np.zeros_like(lse)  # the kernel sums the logits only when smoothing
+    loss = lse - (1 - eps) * tgt - eps / VOCAB_TOTAL * total + z * lse * lse
+    onehot = np.zeros_like(s)
+    onehot[np.arange(len(labels))[held], local[held]] = 1.0
+    g = coef_p[:, None] * np.exp(s - lse[:, None]) - coef_y[:, None] * ((1 - eps) * onehot + eps / VOCAB_TOTAL)
+    if softcap:
+        g = g * (1 - (s / softcap) ** 2)
+    g = g * scale
+    return np.stack([lse, tgt, total]), loss, g @ w_vd, g.T @ h, g.sum(axis=0)
+
+
+def _run(provider, dtype, n_tok, D, V, transpose_y, options, filter_eps=None, scale_logits=3.0):
+    torch = provider.torch
+    h = provider.randn((n_tok, D), dtype)
+    w = provider.randn((V, D) if transpose_y else (D, V), dtype, scale=scale_logits / np.sqrt(D))
+    b = provider.randn((V,), dtype) if options else None
+    labels_np = np.random.randint(0, VOCAB_TOTAL, n_tok)
+    labels_np[: n_tok // 2] = np.random.randint(VOCAB_START, VOCAB_START + V, n_tok // 2)  # half held here
+    labels_np[np.random.random_sample(n_tok) < 0.1] = -100
+    labels = torch.from_numpy(labels_np).to(provider.device)
+    softcap, eps, z = (15.0, 0.1, 1e-3) if options else (None, 0.0, 0.0)
+
+    n_split = K.forward_splits(n_tok, V, dtype)
+    partials, stats = provider.poisoned((4, n_split, n_tok)), provider.poisoned((3, n_tok))
+    loss = provider.poisoned((n_tok,))
+    K.lse_forward(h, w, labels, b, partials, stats, transpose_y=transpose_y, vocab_start=VOCAB_START,
+                  softcap=softcap, need_sum=eps > 0)
+    K.token_loss(stats, labels, loss, vocab_total=VOCAB_TOTAL, label_smoothing=eps, z_loss=z)
+
+    coef_np = np.random.uniform(-1, 1, (2, n_tok))
+    coef = provider.from_numpy(coef_np, "float32")
+    scale = provider.from_numpy(np.array([0.37]), "float32")
+    ws = K.backward_workspace(n_tok, D, V, dtype, chunk=1024)
+    dh, dw = provider.poisoned((n_tok, D), dtype), provider.poisoned(tuple(w.shape), dtype)
+    db = provider.poisoned((V,), dtype) if options else None
+    g_work = provider.poisoned(ws.g, dtype)
+    lo = provider.poisoned(ws.lo, dtype) if ws.lo else None
+    flags = provider.zeros(ws.flags, "int8")
+    dbias_acc = provider.zeros(ws.dbias) if options else None
+    lse = stats[0].contiguous()
+    K.lce_backward(h, w, labels, b, lse, coef[0].contiguous(), coef[1].contiguous(), scale, dh, dw, db,
+                   g_work, lo, flags, dbias_acc, transpose_y=transpose_y, vocab_start=VOCAB_START,
+                   vocab_total=VOCAB_TOTAL, softcap=softcap, label_smoothing=eps, filter_eps=filter_eps)
+    provider.synchronize()
+
+    h64, w64 = provider.to_numpy(h), provider.to_numpy(w)
+    w_vd = w64 if transpose_y else w64.T
+    b64 = provider.to_numpy(b) if options else None
+    ref = _reference(h64, w_vd, b64, labels_np, coef_np[0], coef_np[1], 0.37, softcap, eps, z)
+    valid = labels_np != -100
+    ref_loss = np.where(valid, ref[1], 0.0)
+    got = dict(stats=provider.to_numpy(stats), loss=provider.to_numpy(loss), dh=provider.to_numpy(dh),
+               dw=provider.to_numpy(dw) if transpose_y else provider.to_numpy(dw).T,
+               db=provider.to_numpy(db) if options else None)
+    return got, dict(stats=ref[0], loss=ref_loss, dh=ref[2], dw=ref[3], db=ref[4]), flags
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-T{c[1]}-D{c[2]}-V{c[3]}-{'VD' if c[4] else 'DV'}"
+                                                      f"{'-options' if c[5] else ''}")
+def test_forward_and_backward_match_float64(provider, case):
+    dtype, n_tok, D, V, transpose_y, options = case
+    got, want, _ = _run(provider, dtype, n_tok, D, V, transpose_y, options)
+    # the stats and loss are fp32 from exact 16-bit inputs with fp32 accumulation
+    assert_close("stats", got["stats"], want["stats"], "float32", tf32=dtype != "float32")
+    assert_close("loss", got["loss"], want["loss"], "float32", tf32=dtype != "float32")
+    for name in ("dh", "dw") + (("db",) if options else ()):
+        # G is stored in the input dtype (as the plain composition's logit gradient is), then one GEMM
+        assert_close(name, got[name], want[name], dtype, baseline_err=2.0 ** -8 if dtype != "float32" else None)
+
+
+def test_gradient_filter(provider):
+    """Sharp logits: most G tiles fall below the threshold and are skipped; the result stays within the
+    bf16 bound of the exact gradient, and a threshold above every |G| zeroes it."""
+    got, want, flags = _run(provider, "bfloat16", 256, 256, 200000, True, False, filter_eps=2.0**-12,
+                            scale_logits=40.0)
+    kept = float(provider.to_numpy(flags).mean())
+    assert kept < 0.5, f"filter kept {kept:.0%} of the tiles on sharp logits"
+    for name in ("dh", "dw"):
+        assert_close(name, got[name], want[name], "bfloat16", baseline_err=2.0 ** -8)
+    got, _, flags = _run(provider, "bfloat16", 300, 128, 3000, False, True, filter_eps=2.0)
+    assert not provider.to_numpy(flags).any() and not np.any(got["dh"]) and not np.any(got["dw"])
+
+
+def test_weight_past_2_31_elements(provider):
+    """W [V, D] with V * D > 2^31: 64-bit row offsets in every kernel (rows checked at the end)."""
+    torch = provider.torch
+    n_tok, D = 64, 4096
+    V = 2**31 // D + 700
+    h = provider.randn((n_tok, D), "bfloat16")
+    w = provider.randn((V, D), "bfloat16", scale=2.0 / np.sqrt(D))
+    labels = torch.randint(V - 600, V, (n_tok,), device=provider.device)
+    n_split = K.forward_splits(n_tok, V, "bfloat16")
+    partials, stats = provider.poisoned((4, n_split, n_tok)), provider.poisoned((3, n_tok))
+    K.lse_forward(h, w, labels, None, partials, stats)
+    ones = provider.from_numpy(np.ones(n_tok), "float32")
+    ws = K.backward_workspace(n_tok, D, V, "bfloat16")
+    dh, dw = provider.poisoned((n_tok, D), "bfloat16"), provider.empty((V, D), "bfloat16")
+    dw[-1000:].fill_(float("nan"))
+    K.lce_backward(h, w, labels, None, stats[0].contiguous(), ones, ones, provider.from_numpy(np.ones(1), "float32"),
+                   dh, dw, None, provider.empty(ws.g, "bfloat16"), provider.empty(ws.lo, "bfloat16"),
+                   provider.zeros(ws.flags, "int8"), None)
+    provider.synchronize()
+    logits = h.float() @ w.float().T  # fp32 reference on the GPU (no TF32)
+    lse = torch.logsumexp(logits, dim=1)
+    tgt = logits.gather(1, labels[:, None])[:, 0]
+    assert_close("lse", provider.to_numpy(stats[0]), provider.to_numpy(lse), "float32", tf32=True)
+    assert_close("target", provider.to_numpy(stats[1]), provider.to_numpy(tgt), "float32", tf32=True)
+    g = torch.softmax(logits, dim=1)
+    g[torch.arange(n_tok, device=provider.device), labels] -= 1.0
+    tail = g[:, -1000:].T @ h.float()
+    err = rel_err(provider.to_numpy(dw[-1000:]), provider.to_numpy(tail))
+    assert err < 1e-2, f"dW tail rows: relative error {err:.3e}"
+    assert_close("dh", provider.to_numpy(dh), provider.to_numpy(g @ w.float()), "bfloat16", baseline_err=2.0 ** -8)

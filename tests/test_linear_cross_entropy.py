@@ -1,0 +1,317 @@
+"""LinearCrossEntropy on the CPU: the Triton kernels (interpreter) and the reference against the plain
+Paddle composition (matmul + cross_entropy in float64) in loss, lse and every gradient, for each
+option; all-ignored batches; labels out of range; the gradient filter; launchers on poisoned
+outputs; the layer (own and tied weights); the cut-cross-entropy argument order; bad input; and the
+vocabulary-parallel loss (and sequence-parallel inputs) in 2 gloo processes equal to the dense one."""
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+import pytest
+
+from paddlenlp_fused.kernels.triton import linear_cross_entropy as K
+from paddlenlp_fused.layers.linear_cross_entropy import LinearCrossEntropy
+from paddlenlp_fused.ops.linear_cross_entropy import cce_linear_cross_entropy, linear_cross_entropy
+from paddlenlp_fused.reference import linear_cross_entropy as ref
+from paddlenlp_fused.runtime.triton_paddle import triton_args
+from paddlenlp_fused.testing.distributed import init_fleet, run_distributed
+from paddlenlp_fused.testing.numerics import assert_close, rel_err
+
+BACKENDS = ("triton", "reference")
+
+
+def _inputs(dtype, shape, D, V, transpose_y, bias=False, ignore_index=-100, rng=np.random, ignore_frac=0.2):
+    """hidden [*shape, D], weight, bias [V] (or None), labels [*shape] with some ignored; logits of O(3)."""
+    hidden = paddle.to_tensor(rng.standard_normal((*shape, D)).astype(np.float32)).astype(dtype)
+    w = rng.standard_normal((V, D) if transpose_y else (D, V)).astype(np.float32) * (3.0 / np.sqrt(D))
+    weight = paddle.to_tensor(w).astype(dtype)
+    b = paddle.to_tensor(rng.standard_normal(V).astype(np.float32)).astype(dtype) if bias else None
+    labels = rng.randint(0, V, size=shape)
+    labels[rng.random_sample(shape) < ignore_frac] = ignore_index
+    for t in (hidden, weight, b):
+        if t is not None:
+            t.stop_gradient = False
+    return hidden, weight, b, paddle.to_tensor(labels.astype(np.int64))
+
+
+def _plain(hidden, weight, labels, bias, *, transpose_y, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+           z_loss=0.0, softcap=None, shift=False, round_to=None):
+    """The plain composition on float tensors: logits = matmul (+ bias), optional softcap, then
+    F.cross_entropy in float, the label-smoothing and z-loss terms, reduction. ``round_to`` rounds
+    the logits (and through the casts' backward, their gradient) to a 16-bit dtype, as the
+    composition in that dtype does. Returns (loss, per-token lse)."""
+    if shift:
+        hidden, labels = hidden[..., :-1, :], labels[..., 1:]
+    logits = paddle.matmul(hidden, weight, transpose_y=transpose_y)
+    if bias is not None:
+        logits = logits + bias
+    if round_to is not None:
+        logits = logits.astype(round_to).astype(hidden.dtype)
+    if softcap is not None:
+        logits = softcap * paddle.tanh(logits / softcap)
+    valid = labels != ignore_index
+    safe = paddle.where(valid, labels, paddle.zeros_like(labels))
+    ce = F.cross_entropy(logits, safe.unsqueeze(-1), reduction="none").squeeze(-1)
+    lse = paddle.logsumexp(logits, axis=-1)
+    loss = (1 - label_smoothing) * ce + label_smoothing * (lse - logits.mean(axis=-1)) + z_loss * lse * lse
+    loss = paddle.where(valid, loss, paddle.zeros_like(loss))
+    if reduction == "mean":
+        loss = loss.sum() / paddle.clip(valid.astype(loss.dtype).sum(), min=1)
+    elif reduction == "sum":
+        loss = loss.sum()
+    return loss, lse
+
+
+def _leaf(t, dtype="float64"):
+    if t is None:
+        return None
+    leaf = paddle.to_tensor(t.astype("float32").numpy().astype(dtype))
+    leaf.stop_gradient = False
+    return leaf
+
+
+def _scalar(loss, lse, weights):
+    """A scalar that weights every output element (and lse, when returned) differently."""
+    out = (loss * weights[0]).sum() if loss.ndim else loss * 1.5
+    return out + (lse * weights[1]).sum() if lse is not None else out
+
+
+CASES = {
+    "fp32_vd_mean": dict(dtype="float32", shape=(37,), D=40, V=300, transpose_y=True),
+    "fp32_dv_bias_smooth_zloss_softcap_chunks": dict(
+        dtype="float32", shape=(29,), D=48, V=257, transpose_y=False, bias=True,
+        opts=dict(label_smoothing=0.1, z_loss=1e-3, softcap=4.0, vocab_chunk=64)),
+    "bf16_vd_bias_softcap_sum_shift_chunks": dict(
+        dtype="bfloat16", shape=(2, 19), D=32, V=200, transpose_y=True, bias=True,
+        opts=dict(softcap=3.0, reduction="sum", shift=True, vocab_chunk=64)),
+    "bf16_dv_smooth_zloss_none_lse": dict(
+        dtype="bfloat16", shape=(33,), D=48, V=130, transpose_y=False,
+        opts=dict(label_smoothing=0.2, z_loss=1e-2, reduction="none", return_lse=True)),
+    "fp16_vd_mean_ignore0": dict(dtype="float16", shape=(3, 7), D=24, V=96, transpose_y=True, ignore_index=0,
+                                 opts=dict(ignore_index=0)),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_plain_composition(case, backend):
+    c = CASES[case]
+    dtype, opts = c["dtype"], dict(c.get("opts", {}))
+    hidden, weight, bias, labels = _inputs(dtype, c["shape"], c["D"], c["V"], c["transpose_y"], c.get("bias", False),
+                                           c.get("ignore_index", -100))
+    out = linear_cross_entropy(hidden, weight, labels, bias, transpose_y=c["transpose_y"], backend=backend, **opts)
+    loss, lse = out if opts.get("return_lse") else (out, None)
+    weights = [paddle.to_tensor(np.random.standard_normal(t.shape).astype(np.float32)) if t is not None and t.ndim
+               else None for t in (loss, lse)]
+    params = [t for t in (hidden, weight, bias) if t is not None]
+    grads = paddle.grad(_scalar(loss, lse, weights), params)
+
+    plain_opts = {k: v for k, v in opts.items() if k not in ("vocab_chunk", "return_lse")}
+    leaves = [_leaf(t) for t in (hidden, weight, bias)]
+    loss64, lse64 = _plain(*leaves[:2], labels, leaves[2], transpose_y=c["transpose_y"], **plain_opts)
+    if opts.get("shift"):
+        lse64 = None
+    w64 = [None if w is None else w.astype("float64") for w in weights]
+    grads64 = paddle.grad(_scalar(loss64, lse64 if lse is not None else None, w64),
+                          [t for t in leaves if t is not None])
+
+    assert loss.dtype == paddle.float32
+    assert_close("loss", loss.numpy(), loss64.numpy(), "float32")
+    if lse is not None:
+        assert lse.dtype == paddle.float32 and list(lse.shape) == list(labels.shape)
+        assert_close("lse", lse.numpy(), lse64.numpy(), "float32")
+    baselines = [None] * len(params)
+    if dtype != "float32":  # the plain composition in this dtype: logits and their gradient rounded
+        leaves32 = [_leaf(t, "float32") for t in params] + ([None] if bias is None else [])
+        loss16, lse16 = _plain(leaves32[0], leaves32[1], labels, leaves32[2], transpose_y=c["transpose_y"],
+                               round_to=dtype, **plain_opts)
+        g16 = paddle.grad(_scalar(loss16, lse16 if lse is not None else None, weights),
+                          [t for t in leaves32 if t is not None])
+        baselines = [rel_err(g.astype(dtype).astype("float32").numpy(), g64.numpy()) for g, g64 in zip(g16, grads64)]
+    for name, g, g64, base in zip(("dhidden", "dweight", "dbias"), grads, grads64, baselines):
+        assert g.dtype == params[0].dtype
+        assert_close(name, g.astype("float32").numpy(), g64.numpy(), dtype, baseline_err=base)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_ignored_batch_gives_zero_loss_and_gradients(backend):
+    hidden, weight, bias, labels = _inputs("bfloat16", (2, 9), 32, 70, True, bias=True, ignore_frac=1.0)
+    for reduction in ("mean", "sum"):
+        loss = linear_cross_entropy(hidden, weight, labels, bias, reduction=reduction, z_loss=1e-3, backend=backend)
+        grads = paddle.grad(loss, [hidden, weight, bias])
+        assert float(loss) == 0.0
+        for g in grads:
+            g32 = g.astype("float32").numpy()
+            assert np.all(np.isfinite(g32)) and not np.any(g32)
+
+
+def test_labels_out_of_range():
+    hidden, weight, _, labels = _inputs("float32", (6,), 16, 40, True, ignore_frac=0.0)
+    bad = labels.clone()
+    bad[2] = 40
+    with pytest.raises(ValueError, match=r"labels: expected values in \[0, 40\) or ignore_index=-100, got 40"):
+        linear_cross_entropy(hidden, weight, bad, backend="reference")
+    bad[2] = -3
+    with pytest.raises(ValueError, match="got -3"):
+        linear_cross_entropy(hidden, weight, bad, backend="reference")
+    # the Triton path does not synchronise to look: the token's loss is NaN, never a silent number
+    per_token = linear_cross_entropy(hidden, weight, bad, reduction="none", backend="triton").numpy()
+    assert np.isnan(per_token[2]) and np.all(np.isfinite(np.delete(per_token, 2)))
+
+
+def test_gradient_filter():
+    hidden, weight, bias, labels = _inputs("bfloat16", (40,), 32, 150, False, bias=True)
+    exact = paddle.grad(linear_cross_entropy(hidden, weight, labels, bias, transpose_y=False, backend="triton",
+                                             vocab_chunk=64), [hidden, weight, bias])
+    loss = linear_cross_entropy(hidden, weight, labels, bias, transpose_y=False, backend="triton", vocab_chunk=64,
+                                filter_eps=1e-30)  # keeps every tile: the skipping loop, nothing skipped
+    for g, e in zip(paddle.grad(loss, [hidden, weight, bias]), exact):
+        np.testing.assert_array_equal(g.astype("float32").numpy(), e.astype("float32").numpy())
+    loss_all = linear_cross_entropy(hidden, weight, labels, bias, transpose_y=False, backend="triton",
+                                    filter_eps=2.0)  # above every |G| (<= 1): every tile skipped
+    assert float(loss_all) == float(loss)
+    for g in paddle.grad(loss_all, [hidden, weight, bias]):
+        assert not np.any(g.astype("float32").numpy())
+    with pytest.raises(ValueError, match="filter_eps"):
+        linear_cross_entropy(hidden, weight, labels, transpose_y=False, filter_eps=-1.0)
+
+
+@pytest.mark.parametrize("transpose_y", [True, False])
+def test_launchers_write_every_element(transpose_y):
+    """Outputs and workspaces poisoned with NaN; values against the reference stages."""
+    dtype, n_tok, D, V, start = "bfloat16", 21, 40, 90, 30  # this 'rank' holds ids [30, 120)
+    hidden, weight, bias, labels = _inputs(dtype, (n_tok,), D, V, transpose_y, bias=True)
+    labels = paddle.to_tensor(np.random.randint(0, 150, n_tok).astype(np.int64))
+    nan = lambda shape, dt="float32": paddle.full(list(shape), float("nan"), dtype=dt)  # noqa: E731
+    n_split = K.forward_splits(n_tok, V, dtype)
+    partials, stats, loss = nan((4, n_split, n_tok)), nan((3, n_tok)), nan((n_tok,))
+    K.lse_forward(*triton_args(hidden, weight, labels, bias, partials, stats), transpose_y=transpose_y,
+                  vocab_start=start, softcap=5.0, need_sum=True)
+    stats_ref = ref.lse_stats_ref(hidden, weight, labels, bias, transpose_y=transpose_y, vocab_start=start, softcap=5.0)
+    assert_close("stats", stats.numpy(), stats_ref.numpy(), "float32")
+    K.token_loss(*triton_args(stats, labels, loss), vocab_total=150, label_smoothing=0.1, z_loss=0.01)
+    loss_ref = ref.token_loss_ref(stats, labels, vocab_total=150, label_smoothing=0.1, z_loss=0.01)
+    assert_close("loss", loss.numpy(), loss_ref.numpy(), "float32")
+
+    lse = stats[0].clone()
+    coef_p = paddle.to_tensor(np.random.uniform(-1, 1, n_tok).astype(np.float32))
+    coef_y = paddle.to_tensor(np.random.uniform(-1, 1, n_tok).astype(np.float32))
+    scale = paddle.to_tensor([0.25], dtype="float32")
+    ws = K.backward_workspace(n_tok, D, V, dtype, chunk=32)
+    dh, dw, db = nan((n_tok, D), dtype), nan(weight.shape, dtype), nan((V,), dtype)
+    work = (nan(ws.g, dtype), nan(ws.lo, dtype), paddle.full(list(ws.flags), 7, dtype="int8"),
+            paddle.zeros(list(ws.dbias), dtype="float32"))
+    K.lce_backward(*triton_args(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, dh, dw, db, *work),
+                   transpose_y=transpose_y, vocab_start=start, vocab_total=150, softcap=5.0, label_smoothing=0.1)
+    want = ref.grads_ref(hidden, weight, labels, bias, lse, coef_p * 0.25, coef_y * 0.25, transpose_y=transpose_y,
+                         vocab_start=start, vocab_total=150, softcap=5.0, label_smoothing=0.1)
+    for name, got, exp in zip(("dh", "dw", "db"), (dh, dw, db), want):
+        assert_close(name, got.astype("float32").numpy(), exp.astype("float32").numpy(), dtype, baseline_err=4e-3)
+
+
+def test_layer_own_and_tied_weights():
+    D, V = 24, 64
+    hidden, _, _, labels = _inputs("float32", (2, 5), D, V, True)
+    layer = LinearCrossEntropy(D, V, has_bias=True)  # PaddleNLP LM head layout [D, V]
+    assert list(layer.weight.shape) == [D, V] and len(layer.parameters()) == 2
+    loss = layer(hidden, labels)
+    np.testing.assert_allclose(float(loss), float(linear_cross_entropy(hidden, layer.weight, labels, layer.bias,
+                                                                      transpose_y=False)), rtol=1e-6)
+    loss.backward()
+    assert layer.weight.grad is not None and layer.bias.grad is not None
+
+    embedding = paddle.nn.Embedding(V, D)  # tied: the LM head is the embedding's [V, D] weight
+    tied = LinearCrossEntropy(D, V, transpose_y=True, weight=embedding.weight, reduction="sum", shift=True)
+    model = paddle.nn.LayerList([embedding, tied])
+    assert len(model.parameters()) == 1
+    tokens = paddle.to_tensor(np.random.randint(0, V, (2, 6)))
+    loss = tied(embedding(tokens), tokens)
+    loss.backward()
+    emb = embedding.weight.detach()
+    emb.stop_gradient = False
+    h = paddle.nn.functional.embedding(tokens, emb)
+    expected = linear_cross_entropy(h, emb, tokens, reduction="sum", shift=True)
+    (expected_grad,) = paddle.grad(expected, [emb])
+    np.testing.assert_allclose(float(loss), float(expected), rtol=1e-6)
+    assert_close("tied grad", embedding.weight.grad.numpy(), expected_grad.numpy(), "float32")
+    with pytest.raises(ValueError, match="weight: expected shape"):
+        LinearCrossEntropy(D, V, transpose_y=False, weight=embedding.weight)
+
+
+def test_cut_cross_entropy_argument_order():
+    e, c, _, targets = _inputs("float32", (2, 8), 16, 50, True)
+    got = cce_linear_cross_entropy(e, c, targets, None, -100, 2.0, "sum", True)
+    want = linear_cross_entropy(e, c, targets, softcap=2.0, reduction="sum", shift=True, transpose_y=True)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+
+
+def test_bad_input_raises_clear_errors():
+    h, w, _, labels = _inputs("float32", (4,), 8, 10, True)
+    with pytest.raises(TypeError, match="labels: expected dtype int64 or int32"):
+        linear_cross_entropy(h, w, labels.astype("float32"))
+    with pytest.raises(ValueError, match=r"labels: expected shape \[4\]"):
+        linear_cross_entropy(h, w, labels[:3])
+    with pytest.raises(ValueError, match=r"weight: expected \[D, V\] \(transpose_y=False\) with D=8"):
+        linear_cross_entropy(h, w, labels, transpose_y=False)
+    with pytest.raises(TypeError, match="weight: expected dtype float32"):
+        linear_cross_entropy(h, w.astype("bfloat16"), labels)
+    with pytest.raises(ValueError, match="bias: expected shape"):
+        linear_cross_entropy(h, w, labels, bias=paddle.zeros([9]))
+    with pytest.raises(ValueError, match="reduction"):
+        linear_cross_entropy(h, w, labels, reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        linear_cross_entropy(h, w, labels, label_smoothing=1.0)
+    with pytest.raises(ValueError, match="softcap"):
+        linear_cross_entropy(h, w, labels, softcap=0.0)
+    with pytest.raises(ValueError, match="shift"):
+        linear_cross_entropy(h, w, labels, shift=4)
+    with pytest.raises(ValueError, match="tp_group"):
+        linear_cross_entropy(h, w, labels, tp_group="model")
+    with pytest.raises(ValueError, match="backend"):
+        linear_cross_entropy(h, w, labels, backend="cudnn")
+
+
+def _vocab_parallel_body():
+    """Each rank holds half the vocabulary; losses and gradients equal the dense ones."""
+    import paddle.distributed as dist
+
+    hcg = init_fleet(mp_degree=2)
+    rank = hcg.get_model_parallel_rank()
+    rng = np.random.RandomState(1234)  # the same full tensors on both ranks
+    n_tok, D, V = 12, 24, 80
+    hidden, weight, bias, labels = _inputs("float32", (n_tok,), D, V, False, bias=True, rng=rng)
+    opts = dict(label_smoothing=0.1, z_loss=1e-3, softcap=6.0, transpose_y=False)
+    dense = linear_cross_entropy(hidden, weight, labels, bias, backend="reference", **opts)
+    d_h, d_w, d_b = paddle.grad(dense, [hidden, weight, bias])
+    cols = slice(rank * V // 2, (rank + 1) * V // 2)
+    for backend in ("triton", "reference"):
+        w_shard = paddle.to_tensor(weight.numpy()[:, cols])
+        b_shard = paddle.to_tensor(bias.numpy()[cols])
+        h = paddle.to_tensor(hidden.numpy())
+        for t in (w_shard, b_shard, h):
+            t.stop_gradient = False
+        loss = linear_cross_entropy(h, w_shard, labels, b_shard, tp_group="fleet", backend=backend, **opts)
+        g_h, g_w, g_b = paddle.grad(loss, [h, w_shard, b_shard])
+        assert_close(f"{backend} tp loss", loss.numpy(), dense.numpy(), "float32")
+        assert_close(f"{backend} tp dh", g_h.numpy(), d_h.numpy(), "float32")
+        assert_close(f"{backend} tp dW", g_w.numpy(), d_w.numpy()[:, cols], "float32")
+        assert_close(f"{backend} tp dbias", g_b.numpy(), d_b.numpy()[cols], "float32")
+
+    # sequence parallel: this rank's half of the tokens, gathered inside; dh comes back as its rows
+    rows = slice(rank * n_tok // 2, (rank + 1) * n_tok // 2)
+    layer = LinearCrossEntropy(D, V, has_bias=True, sequence_parallel=True, **{k: v for k, v in opts.items()})
+    assert layer.tp_group is not None and list(layer.weight.shape) == [D, V // 2] and layer.weight.is_distributed
+    layer.weight.set_value(weight.numpy()[:, cols])
+    layer.bias.set_value(bias.numpy()[cols])
+    h_local = paddle.to_tensor(hidden.numpy()[rows])
+    h_local.stop_gradient = False
+    loss = layer(h_local, labels[rows])
+    loss.backward()
+    assert_close("sp loss", loss.numpy(), dense.numpy(), "float32")
+    assert_close("sp dh", h_local.grad.numpy(), d_h.numpy()[rows], "float32")
+    assert_close("sp dW", layer.weight.grad.numpy(), d_w.numpy()[:, cols], "float32")
+    assert dist.get_world_size() == 2
+
+
+def test_vocab_parallel_equals_dense_in_two_processes():
+    run_distributed(_vocab_parallel_body)
