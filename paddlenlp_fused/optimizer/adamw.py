@@ -1,0 +1,420 @@
+"""FusedAdamW: ``paddle.optimizer.AdamW`` with 16-bit moments, fp32 master weights and one Triton
+launch per dtype group.
+
+The update is AdamW's (see ``kernels/triton/adamw.py``): decoupled weight decay, bias correction
+from per-parameter ``beta^t`` kept in float32 as Paddle does, learning-rate schedulers, parameter
+groups, per-group ``grad_clip``, ``apply_decay_param_fun``, ``lr_ratio`` and AMP's ``found_inf``.
+What changes is the storage: the first and second moments are kept in ``moment_dtype`` (bfloat16
+by default; half the bytes of Paddle's float32 moments), rounded stochastically so that they stay
+unbiased, and float16/bfloat16 parameters get float32 master weights when ``multi_precision``.
+
+State-dict layout follows Paddle's AdamW, so checkpoints move between the two (moments are cast on
+load): ``{name}_moment1_0``, ``{name}_moment2_0``, ``{name}_beta1_pow_acc_0``,
+``{name}_beta2_pow_acc_0`` where ``name`` is the parameter's name, or its master weight's
+(``{param}_fp32_master_0``) when it has one; ``"master_weights"``: {param name: fp32 tensor};
+``"LR_Scheduler"``; plus ``STEP_KEY``: int64 [step, seed] of the stochastic-rounding stream, so a
+reloaded run continues with the same random numbers.
+
+Host work per step: Python over the parameters (gradients, hyper-parameters, the offsets table of
+the addresses, ~5 us a parameter) and one upload of the per-tensor scalar table, which Paddle copies
+synchronously: the GPU idles for the host work that follows it in the step (the launch itself).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import paddle
+from paddle.base.dygraph.base import in_to_static_mode
+from paddle.nn.clip import GradientClipBase
+from paddle.optimizer import Optimizer
+from paddle.optimizer.lr import LambdaDecay, LRScheduler
+
+from ..kernels.triton.adamw import (MOMENT_DTYPES, adamw_multi_tensor, check_group, hyper_rows, offsets_table,
+                                    plan_chunks, step_seed, table_aligned)
+from ..reference.adamw import adamw_step_ref
+from ..runtime import tensor as T
+from ..runtime.backend import resolve_backend
+from ..runtime.triton_paddle import triton_args
+
+STEP_KEY = "FusedAdamW.step_seed"
+_SIXTEEN_BIT = ("float16", "bfloat16")
+_GROUP_KEYS = ("params", "learning_rate", "weight_decay", "beta1", "beta2", "epsilon", "grad_clip", "lazy_mode")
+_BACKENDS = ("auto", "triton", "reference")
+
+
+def _float(name: str, value) -> float:
+    """A Python float from a float/int or a one-element Tensor (Paddle's AdamW takes both)."""
+    if isinstance(value, paddle.Tensor):
+        if value.size != 1:
+            raise ValueError(f"{name}: expected a scalar or a one-element Tensor, got shape {list(value.shape)}")
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    return float(value)
+
+
+def _check_hyper(beta1: float, beta2: float, epsilon: float, weight_decay: float, where: str = "") -> None:
+    for name, value in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{where}{name}: expected a value in [0, 1), got {value}")
+    if not epsilon >= 0.0:
+        raise ValueError(f"{where}epsilon: expected epsilon >= 0, got {epsilon}")
+    if not np.isfinite(weight_decay):
+        raise ValueError(f"{where}weight_decay: expected a finite float, got {weight_decay}")
+
+
+def _dtype_name(dtype) -> str:
+    name = T.dtype_name(dtype) if not isinstance(dtype, str) else dtype
+    return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16", "float": "float32"}.get(
+        name, name)
+
+
+class _ParamState:
+    """Optimizer state of one parameter. ``key``: the name its state-dict entries start with."""
+
+    __slots__ = ("key", "exp_avg", "exp_avg_sq", "master", "beta1_pow", "beta2_pow")
+
+    def __init__(self, key, exp_avg, exp_avg_sq, master, beta1_pow, beta2_pow):
+        self.key, self.exp_avg, self.exp_avg_sq, self.master = key, exp_avg, exp_avg_sq, master
+        self.beta1_pow, self.beta2_pow = np.float32(beta1_pow), np.float32(beta2_pow)
+
+
+def _assign_from(dst: paddle.Tensor, src, what: str) -> None:
+    """Copy a state-dict value (Tensor or array) into ``dst`` in place, cast to dst's dtype."""
+    value = src if isinstance(src, paddle.Tensor) else paddle.to_tensor(np.asarray(src))
+    if list(value.shape) != list(dst.shape):
+        raise ValueError(f"state_dict[{what!r}]: expected shape {list(dst.shape)}, got {list(value.shape)}")
+    if str(value.place) != str(dst.place):
+        value = value._copy_to(dst.place, True)
+    paddle.assign(value.astype(dst.dtype), output=dst)
+
+
+def _scalar_of(src) -> np.float32:
+    value = src.numpy() if isinstance(src, paddle.Tensor) else np.asarray(src)
+    return np.float32(value.reshape(-1)[0])
+
+
+class FusedAdamW(Optimizer):
+    r"""AdamW with moments in ``moment_dtype`` and one fused launch per dtype group.
+
+    Args (as ``paddle.optimizer.AdamW`` unless said):
+        learning_rate (float|LRScheduler), beta1, beta2, epsilon (float or one-element Tensor),
+        parameters (list of Tensors, or of dicts with ``params`` and any of ``learning_rate`` (a
+        scale of the base rate), ``weight_decay``, ``beta1``, ``beta2``, ``epsilon``,
+        ``grad_clip``), weight_decay (float), grad_clip (GradientClipBase),
+        apply_decay_param_fun (callable name -> bool), lr_ratio (callable param -> float).
+        moment_dtype: "bfloat16" (default), "float16" or "float32". float16 moments can underflow
+            (the second moment of gradients below ~2e-4); bfloat16 keeps float32's range.
+        multi_precision: fp32 master weights for float16/bfloat16 parameters (default True).
+        stochastic_rounding: round 16-bit moments (and 16-bit parameters without master weights)
+            stochastically, unbiased (default True); else round to nearest-even.
+        backend: "auto" (Triton on GPU and under TRITON_INTERPRET=1, else the reference),
+            "triton" or "reference".
+    """
+
+    def __init__(self, learning_rate: float | LRScheduler = 0.001, beta1=0.9, beta2=0.999, epsilon=1e-8,
+                 parameters=None, weight_decay=0.01, grad_clip: Optional[GradientClipBase] = None,
+                 moment_dtype="bfloat16", multi_precision: bool = True, stochastic_rounding: bool = True,
+                 apply_decay_param_fun: Optional[Callable[[str], bool]] = None,
+                 lr_ratio: Optional[Callable[[paddle.Tensor], float]] = None, name: Optional[str] = None,
+                 backend: str = "auto") -> None:
+        if parameters is None:
+            raise ValueError("parameters: FusedAdamW runs in dygraph mode and needs the parameters to update, got None")
+        if isinstance(learning_rate, int) and not isinstance(learning_rate, bool):
+            learning_rate = float(learning_rate)
+        if not isinstance(learning_rate, (float, LRScheduler)):
+            raise TypeError(f"learning_rate: expected a float or an LRScheduler, got {type(learning_rate).__name__}")
+        beta1, beta2, epsilon = _float("beta1", beta1), _float("beta2", beta2), _float("epsilon", epsilon)
+        weight_decay = _float("weight_decay", weight_decay)
+        _check_hyper(beta1, beta2, epsilon, weight_decay)
+        moment_dtype = _dtype_name(moment_dtype)
+        if moment_dtype not in MOMENT_DTYPES:
+            raise ValueError(f"moment_dtype: expected one of {list(MOMENT_DTYPES)}, got {moment_dtype!r}")
+        for arg, fn in (("apply_decay_param_fun", apply_decay_param_fun), ("lr_ratio", lr_ratio)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{arg}: expected a callable or None, got {type(fn).__name__}")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend: expected one of {list(_BACKENDS)}, got {backend!r}")
+        if grad_clip is not None and not isinstance(grad_clip, GradientClipBase):
+            raise TypeError(f"grad_clip: expected a paddle.nn.ClipGradBy* instance, got {type(grad_clip).__name__}")
+
+        # read by _add_param_group, which Optimizer.__init__ calls for parameter groups
+        self._group_defaults = {"weight_decay": weight_decay, "beta1": beta1, "beta2": beta2, "epsilon": epsilon,
+                                "grad_clip": grad_clip}
+        super().__init__(learning_rate=learning_rate, parameters=parameters, weight_decay=None, grad_clip=grad_clip,
+                         name=name)
+        self.type = "fused_adamw"
+        self._moment_dtype = moment_dtype
+        self._multi_precision = bool(multi_precision)
+        self._stochastic_rounding = bool(stochastic_rounding)
+        self._apply_decay_param_fun = apply_decay_param_fun
+        self._lr_ratio = lr_ratio
+        self._backend = backend
+        self._states: Dict[str, _ParamState] = OrderedDict()
+        self._step_count = 0
+        # the stochastic-rounding stream follows paddle.seed without drawing from Paddle's generator
+        self._seed = int(paddle.base.core.default_cpu_generator().initial_seed()) & 0xFFFFFFFF
+        self._chunk_tables: Dict[tuple, tuple] = {}
+        self._offset_tables: Dict[tuple, tuple] = {}
+        for param in self._all_params():
+            if T.dtype_name(param) not in T.FLOAT_DTYPES:
+                raise TypeError(f"parameters: expected dtypes in {list(T.FLOAT_DTYPES)}, got {T.dtype_name(param)} "
+                                f"for {param.name}")
+
+    # -- parameter groups --------------------------------------------------------------------------
+
+    def _add_param_group(self, param_group: dict) -> None:
+        unknown = sorted(set(param_group) - set(_GROUP_KEYS))
+        if unknown:
+            raise ValueError(f"parameters: unknown parameter-group options {unknown}; expected some of {_GROUP_KEYS}")
+        params = param_group["params"]
+        if isinstance(params, paddle.Tensor):
+            params = [params]
+        elif isinstance(params, set):
+            raise TypeError("parameters: a group's 'params' must be an ordered collection (list), got a set")
+        param_group["params"] = list(params)
+        for key, value in self._group_defaults.items():
+            param_group.setdefault(key, value)
+        for key in ("weight_decay", "beta1", "beta2", "epsilon"):
+            param_group[key] = _float(f"parameters[{len(self._param_groups)}][{key!r}]", param_group[key])
+        _check_hyper(param_group["beta1"], param_group["beta2"], param_group["epsilon"], param_group["weight_decay"],
+                     where=f"parameters[{len(self._param_groups)}] ")
+        if param_group.get("lazy_mode", False):
+            raise NotImplementedError("parameters: lazy_mode (sparse updates) is not supported by FusedAdamW")
+        seen = {id(p) for group in self._param_groups for p in group["params"]}
+        if any(id(p) in seen for p in param_group["params"]):
+            raise ValueError("parameters: some parameters appear in more than one parameter group")
+        for param in param_group["params"]:
+            param.optimize_attr["learning_rate"] = param_group.get("learning_rate", 1.0)
+        self._param_groups.append(param_group)
+
+    def _groups(self) -> List[dict]:
+        if self._param_groups and isinstance(self._param_groups[0], dict):
+            return self._param_groups
+        return [dict(self._group_defaults, params=self._parameter_list)]
+
+    def _all_params(self):
+        return [p for group in self._groups() for p in group["params"]]
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    def _state_for(self, param: paddle.Tensor, group: dict) -> _ParamState:
+        state = self._states.get(param.name)
+        if state is None:
+            has_master = self._multi_precision and T.dtype_name(param) in _SIXTEEN_BIT
+            master = None
+            key = param.name
+            if has_master:
+                key = f"{param.name}_fp32_master_0"
+                master = param.astype("float32").contiguous()
+                master.name = key
+            suffix = f"_{self._name}" if self._name else ""
+            exp_avg = paddle.zeros_like(param, dtype=self._moment_dtype)
+            exp_avg_sq = paddle.zeros_like(param, dtype=self._moment_dtype)
+            exp_avg.name, exp_avg_sq.name = f"{key}{suffix}_moment1_0", f"{key}{suffix}_moment2_0"
+            # beta^t of the coming step, as Paddle's AdamW initialises its beta-pow accumulators
+            state = _ParamState(key, exp_avg, exp_avg_sq, master, group["beta1"], group["beta2"])
+            self._states[param.name] = state
+            if master is not None:
+                self._master_weights[param.name] = master
+        return state
+
+    def _state_keys(self, state: _ParamState) -> Dict[str, str]:
+        suffix = f"_{self._name}" if self._name else ""
+        return {field: f"{state.key}{suffix}_{field}_0"
+                for field in ("moment1", "moment2", "beta1_pow_acc", "beta2_pow_acc")}
+
+    def state_dict(self) -> dict:
+        """Moments, beta-pow accumulators (CPU float32 [1]), master weights, LR scheduler, step/seed.
+        Moment and master tensors are the live ones (as Paddle's); ``paddle.save`` copies them."""
+        out = {}
+        cpu = paddle.CPUPlace()
+        for state in self._states.values():
+            keys = self._state_keys(state)
+            out[keys["moment1"]] = state.exp_avg
+            out[keys["moment2"]] = state.exp_avg_sq
+            out[keys["beta1_pow_acc"]] = paddle.to_tensor([state.beta1_pow], dtype="float32", place=cpu)
+            out[keys["beta2_pow_acc"]] = paddle.to_tensor([state.beta2_pow], dtype="float32", place=cpu)
+        masters = {name: state.master for name, state in self._states.items() if state.master is not None}
+        if masters:
+            out["master_weights"] = masters
+        if isinstance(self._learning_rate, LRScheduler):
+            out["LR_Scheduler"] = self._learning_rate.state_dict()
+        out[STEP_KEY] = paddle.to_tensor([self._step_count, self._seed], dtype="int64", place=cpu)
+        return out
+
+    def set_state_dict(self, state_dict: dict) -> None:
+        """Load a ``state_dict()`` of FusedAdamW or of ``paddle.optimizer.AdamW`` (moments cast to
+        ``moment_dtype``). Parameters with no entry keep fresh state; an entry that matches no
+        parameter (renamed parameters, another model) raises ValueError."""
+        entries = dict(state_dict)
+        scheduler_state = entries.pop("LR_Scheduler", None)
+        if isinstance(self._learning_rate, LRScheduler):
+            if scheduler_state is None and not isinstance(self._learning_rate, LambdaDecay):
+                raise ValueError("state_dict: 'LR_Scheduler' missing while this optimizer uses an LRScheduler")
+            if scheduler_state:
+                self._learning_rate.set_state_dict(scheduler_state)
+        masters = entries.pop("master_weights", None) or {}
+        step_and_seed = entries.pop(STEP_KEY, None)
+        if step_and_seed is not None:
+            values = step_and_seed.numpy() if isinstance(step_and_seed, paddle.Tensor) else np.asarray(step_and_seed)
+            self._step_count, self._seed = int(values[0]), int(values[1])
+        used = set()
+        for group in self._groups():
+            for param in group["params"]:
+                state = self._state_for(param, group)
+                keys = self._state_keys(state)
+                present = [key for key in keys.values() if key in entries]
+                if not present:
+                    continue
+                if len(present) != len(keys):
+                    missing = sorted(set(keys.values()) - set(present))
+                    raise ValueError(f"state_dict: entries {missing} missing for parameter {param.name}")
+                _assign_from(state.exp_avg, entries[keys["moment1"]], keys["moment1"])
+                _assign_from(state.exp_avg_sq, entries[keys["moment2"]], keys["moment2"])
+                state.beta1_pow = _scalar_of(entries[keys["beta1_pow_acc"]])
+                state.beta2_pow = _scalar_of(entries[keys["beta2_pow_acc"]])
+                if state.master is not None and param.name in masters:
+                    _assign_from(state.master, masters[param.name], f"master_weights/{param.name}")
+                used.update(keys.values())
+        unmatched = sorted(set(entries) - used)
+        if unmatched:
+            raise ValueError(f"state_dict: entries {unmatched[:4]}{'...' if len(unmatched) > 4 else ''} match no "
+                             "parameter of this optimizer (were the parameters created under other names?)")
+
+    load_state_dict = set_state_dict
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _grad_of(param: paddle.Tensor):
+        grad = getattr(param, "main_grad", None)
+        if grad is None:
+            grad = param._grad_ivar()
+        return grad
+
+    def _params_and_grads(self):
+        """[(param, grad, group)] of the parameters that have a gradient, after each group's grad_clip
+        and any per-parameter regularizer (as Paddle's Optimizer applies them)."""
+        out = []
+        for group in self._groups():
+            pairs = []
+            for param in group["params"]:
+                grad = None if param.stop_gradient else self._grad_of(param)
+                if grad is None:
+                    continue
+                if hasattr(grad, "is_selected_rows") and grad.is_selected_rows():
+                    raise NotImplementedError(f"FusedAdamW: sparse (SelectedRows) gradient of {param.name} is not "
+                                              "supported")
+                pairs.append((param, grad))
+            if not pairs:
+                continue
+            if group["grad_clip"] is not None:
+                pairs = group["grad_clip"](pairs)
+            pairs = self.append_regularization_ops(pairs, None)
+            out += [(param, grad, group) for param, grad in pairs]
+        return out
+
+    def _found_inf(self) -> bool:
+        """AMP's GradScaler hands over found_inf; a step with inf/nan gradients is skipped (Paddle)."""
+        found_inf = self._get_auxiliary_var("found_inf")
+        if isinstance(found_inf, paddle.Tensor):
+            skip = bool(found_inf)
+            self._set_auxiliary_var("found_inf", skip)
+            return skip
+        return bool(found_inf)
+
+    @paddle.no_grad()
+    def step(self) -> None:
+        """One AdamW step of every parameter that has a gradient."""
+        if in_to_static_mode():
+            raise NotImplementedError("FusedAdamW runs in dygraph mode only (not inside paddle.jit.to_static)")
+        if self._found_inf():
+            return
+        work = self._params_and_grads()
+        if not work:
+            return
+        self._step_count += 1
+        lr = float(self.get_lr())
+        states, hyper = [], []
+        for param, grad, group in work:
+            if list(grad.shape) != list(param.shape):
+                raise ValueError(f"grad of {param.name}: expected shape {list(param.shape)}, got {list(grad.shape)}")
+            if not param.is_contiguous():
+                raise ValueError(f"parameters: {param.name} must be contiguous, got strides {list(param.strides)}")
+            state = self._state_for(param, group)
+            decays = self._apply_decay_param_fun is None or self._apply_decay_param_fun(param.name)
+            param_lr = lr * float(param.optimize_attr.get("learning_rate", 1.0))
+            if self._lr_ratio is not None:
+                param_lr *= float(self._lr_ratio(param))
+            states.append(state)
+            hyper.append((param_lr, group["weight_decay"] if decays else 0.0, group["beta1"], group["beta2"],
+                          group["epsilon"], state.beta1_pow, state.beta2_pow))
+        rows = hyper_rows(*np.array(hyper, dtype=np.float64).T)
+        backend = resolve_backend("FusedAdamW", self._backend, T.device_kind(work[0][0]),
+                                  implemented=("triton", "reference"))
+        if backend == "reference":
+            for i, ((param, grad, _), state) in enumerate(zip(work, states)):
+                adamw_step_ref(param, grad, state.exp_avg, state.exp_avg_sq, state.master, rows[i],
+                               self._stochastic_rounding, random_key=(self._seed, self._step_count, i))
+        else:
+            self._step_triton(work, states, rows)
+        for (_, _, group), state in zip(work, states):
+            state.beta1_pow = np.float32(state.beta1_pow * np.float32(group["beta1"]))
+            state.beta2_pow = np.float32(state.beta2_pow * np.float32(group["beta2"]))
+
+    def _step_triton(self, work, states, rows) -> None:
+        """One launch per (param dtype, grad dtype, master or not) group. A group is checked in full
+        when first seen; later steps check only the grads (shape in step(), contiguity and dtype
+        here), so the host work per step stays small next to the kernel."""
+        launches: Dict[tuple, List[int]] = OrderedDict()
+        for i, ((param, grad, _), state) in enumerate(zip(work, states)):
+            launches.setdefault((T.dtype_name(param), T.dtype_name(grad), state.master is not None), []).append(i)
+        seed = step_seed(self._seed, self._step_count)
+        for index, (kind, members) in enumerate(launches.items()):
+            params = [work[i][0] for i in members]
+            grads = [work[i][1] if work[i][1].is_contiguous() else work[i][1].contiguous() for i in members]
+            exp_avgs = [states[i].exp_avg for i in members]
+            exp_avg_sqs = [states[i].exp_avg_sq for i in members]
+            masters = [states[i].master for i in members] if kind[2] else None
+            place = params[0].place
+            plan_key = kind + tuple((p.name, int(p.size)) for p in params)
+            if plan_key not in self._chunk_tables:
+                check_group(params, grads, exp_avgs, exp_avg_sqs, masters)
+                chunk_tensor, first_chunk = plan_chunks([int(p.size) for p in params])
+                self._chunk_tables[plan_key] = (paddle.to_tensor(chunk_tensor, place=place), first_chunk)
+            chunk_tensor, first_chunk = self._chunk_tables[plan_key]
+            offsets = offsets_table(params, grads, exp_avgs, exp_avg_sqs, masters, first_chunk)
+            cached = self._offset_tables.get(plan_key)
+            if cached is None or not np.array_equal(cached[0], offsets):  # grads move when reallocated
+                cached = (offsets, paddle.to_tensor(offsets, place=place),
+                          table_aligned(offsets, params, grads, exp_avgs, exp_avg_sqs, masters))
+                self._offset_tables[plan_key] = cached
+            # a synchronous host-to-device copy in Paddle: the GPU waits for the rest of this step's
+            # host work (small once validated); see the module docstring
+            hyper = paddle.to_tensor(np.ascontiguousarray(rows[members]), place=place)
+            n = len(members)
+            flat = triton_args(*params, *grads, *exp_avgs, *exp_avg_sqs, *(masters or []), chunk_tensor, cached[1],
+                               hyper)
+            lists = [list(flat[k * n:(k + 1) * n]) for k in range(4)]
+            lists.append(list(flat[4 * n:5 * n]) if masters is not None else None)
+            adamw_multi_tensor(*lists, *flat[-3:], seed=seed, stream=2 * index,
+                               stochastic_rounding=self._stochastic_rounding, validate=False, aligned=cached[2])
+
+    # -- the rest of Paddle's Optimizer interface ----------------------------------------------------
+
+    def minimize(self, loss, startup_program=None, parameters=None, no_grad_set=None):
+        """Dygraph ``minimize``: gradients must already be computed (``loss.backward()``), as with
+        Paddle's dygraph optimizers; then one ``step()``."""
+        if parameters is not None or no_grad_set is not None:
+            raise NotImplementedError("FusedAdamW.minimize: 'parameters' and 'no_grad_set' are not supported; "
+                                      "build the optimizer on the parameters to update")
+        params_grads = [(p, self._grad_of(p)) for p in self._all_params() if not p.stop_gradient]
+        self.step()
+        return [], params_grads
+
+    def _append_optimize_op(self, block, param_and_grad):
+        raise NotImplementedError("FusedAdamW runs in dygraph mode only (no static-graph optimize op)")
