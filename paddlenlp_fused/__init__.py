@@ -18,6 +18,19 @@ _EXPORTS = {
     "BackendUnavailableError": "runtime.backend",
     "swiglu": "ops.gated_activation",
     "geglu": "ops.gated_activation",
+    "FusedLayerNorm": "layers.norm",
+    "FusedRMSNorm": "layers.norm",
+    "GatedRMSNorm": "layers.norm",
+    "layer_norm_fn": "ops.norm",
+    "rms_norm_fn": "ops.norm",
+    "rmsnorm_gated_fn": "ops.norm",
+    "LinearCrossEntropy": "layers.linear_cross_entropy",
+    "linear_cross_entropy": "ops.linear_cross_entropy",
+    "cce_linear_cross_entropy": "ops.linear_cross_entropy",
+    "FusedAdamW": "optimizer.adamw",
+    "FlashContrastiveLoss": "layers.contrastive",
+    "cal_flash_loss": "ops.contrastive",
+    "flash_contrastive_loss": "ops.contrastive",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -11,6 +11,13 @@ _EXPORTS = {
     "swiglu": "gated_activation",
     "geglu": "gated_activation",
     "gated_activation": "gated_activation",
+    "layer_norm_fn": "norm",
+    "rms_norm_fn": "norm",
+    "rmsnorm_gated_fn": "norm",
+    "linear_cross_entropy": "linear_cross_entropy",
+    "cce_linear_cross_entropy": "linear_cross_entropy",
+    "cal_flash_loss": "contrastive",
+    "flash_contrastive_loss": "contrastive",
 }
 
 __all__ = sorted(_EXPORTS)
