@@ -105,3 +105,19 @@ def test_import_is_cheap_and_kernels_need_no_paddle():
             "assert 'torch' not in sys.modules; print(sorted(paddlenlp_fused.__all__)[:1])")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+@triton.jit
+def _row_sum_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n, BLOCK):  # a run-time loop bound (needs numpy < 2.4 in the interpreter)
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(out_ptr, tl.sum(acc, axis=0))
+
+
+def test_interpreter_runs_loops_with_run_time_bounds():
+    x = randn((37,))
+    out = paddle.full([1], float("nan"))
+    _row_sum_kernel[(1,)](*triton_args(x, out), 37, BLOCK=8)
+    np.testing.assert_allclose(out.numpy(), [x.numpy().sum()], rtol=1e-5)
