@@ -1,0 +1,46 @@
+"""Pure-Paddle dense layers and MLP: the ground truth and the CPU fallback.
+
+Computed in float32 and cast back (Paddle's CPU build lacks bfloat16 kernels for several of the
+ops); autograd goes through the casts. Weights in Paddle's ``[in, out]`` layout.
+"""
+
+from __future__ import annotations
+
+import paddle
+import paddle.nn.functional as F
+
+GATED = {"swiglu": F.silu, "geglu": lambda g: F.gelu(g, approximate=True)}
+ELEMENTWISE = {
+    "gelu_approx": lambda h: F.gelu(h, approximate=True),
+    "gelu": lambda h: F.gelu(h, approximate=False),
+    "relu": F.relu,
+    "sqrelu": lambda h: F.relu(h) ** 2,
+}
+
+
+def activation_ref(h: paddle.Tensor, activation: str) -> paddle.Tensor:
+    """The MLP's activation of h [..., H] (gated: h [..., 2H] = [gate | up] -> [..., H]), float32."""
+    if activation in GATED:
+        gate, up = paddle.chunk(h, 2, axis=-1)
+        return GATED[activation](gate) * up
+    return ELEMENTWISE[activation](h)
+
+
+def fused_dense_ref(x: paddle.Tensor, weight: paddle.Tensor, bias=None) -> paddle.Tensor:
+    """x [..., in] @ weight [in, out] + bias [out]."""
+    out = paddle.matmul(x.astype("float32"), weight.astype("float32"))
+    if bias is not None:
+        out = out + bias.astype("float32")
+    return out.astype(x.dtype)
+
+
+def fused_mlp_ref(x: paddle.Tensor, weight1: paddle.Tensor, weight2: paddle.Tensor, bias1=None, bias2=None,
+                  activation: str = "gelu_approx") -> paddle.Tensor:
+    """act(x @ weight1 + bias1) @ weight2 + bias2, all in float32, cast back to x's dtype."""
+    h = paddle.matmul(x.astype("float32"), weight1.astype("float32"))
+    if bias1 is not None:
+        h = h + bias1.astype("float32")
+    out = paddle.matmul(activation_ref(h, activation), weight2.astype("float32"))
+    if bias2 is not None:
+        out = out + bias2.astype("float32")
+    return out.astype(x.dtype)
