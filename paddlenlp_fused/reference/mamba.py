@@ -1,0 +1,277 @@
+"""Pure-Paddle Mamba-1 pieces: the ground truth and the CPU fallback.
+
+Everything computes in float32 (float64 when given float64; complex64/128 for complex A) and casts
+the outputs back to the input dtype: Paddle's CPU build lacks bfloat16 kernels for most ops.
+Autograd goes through the casts, so the references are differentiable in every input.
+
+* ``selective_scan_ref``: the recurrence ``h_t = exp(dt_t A) h_{t-1} + dt_t B_t u_t``,
+  ``y_t = C_t h_t + D u_t`` (times ``silu(z_t)``), evaluated chunk by chunk: inside a chunk of K
+  steps the states are ``h_t = sum_{s<=t} exp(S_t - S_s) dt_s B_s u_s + exp(S_t) h_start`` with
+  ``S`` the running sum of ``dt A`` (memory ``[b, d, n, K, K]`` per chunk); ``chunk_size=1`` is the
+  plain sequential loop. Complex A (mamba_ssm's convention: input-dependent B/C given as real
+  ``[..., n, 2 l]`` with (real, imag) pairs, output ``2 Re(C h)``) runs sequentially.
+* ``causal_conv1d_ref``: depthwise causal conv as a sum of ``width`` shifted slices of the input
+  padded on the left with ``initial_states`` (zeros by default), masked where ``seq_idx`` changes.
+* ``causal_conv1d_update_ref`` / ``selective_state_update_ref``: decoding steps, state in place.
+* ``mamba_inner_ref``: conv, projections, scan and output projection composed.
+"""
+
+from __future__ import annotations
+
+import paddle
+import paddle.nn.functional as F
+
+ACTIVATIONS = (None, "silu", "swish")
+
+
+def _compute_dtype(*tensors) -> str:
+    return "float64" if any(t is not None and t.dtype == paddle.float64 for t in tensors) else "float32"
+
+
+def _cast(t, dtype):
+    return None if t is None else t.astype(dtype)
+
+
+def _is_complex(t) -> bool:
+    return t is not None and t.dtype in (paddle.complex64, paddle.complex128)
+
+
+def _dt(delta, delta_bias, delta_softplus, cdt):
+    dt = delta.astype(cdt)
+    if delta_bias is not None:
+        dt = dt + delta_bias.astype(cdt)[:, None]
+    return F.softplus(dt) if delta_softplus else dt
+
+
+def _expand_bc(t, dim: int, seqlen: int, cdt, complex_dtype=None):
+    """B or C as a tensor broadcastable to [b, d, n, l]."""
+    if t.ndim == 2:  # fixed [d, n]
+        t = t.astype(complex_dtype) if complex_dtype and _is_complex(t) else t.astype(cdt)
+        return t[None, :, :, None]
+    if complex_dtype and not _is_complex(t):  # (real, imag) pairs along the last axis
+        t = t.astype(cdt)
+        t = paddle.complex(t[..., 0::2], t[..., 1::2])
+    else:
+        t = t.astype(cdt)
+    if t.ndim == 3:  # [b, n, l]
+        return t[:, None]
+    groups = t.shape[1]  # [b, g, n, l]
+    return paddle.repeat_interleave(t, dim // groups, axis=1)
+
+
+def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                       return_last_state=False, chunk_size: int = 16):
+    """Selective scan (see ``selective_scan_fn``). u, delta, z [b, d, l]; A [d, n]; B, C [d, n],
+    [b, n, l] or [b, g, n, l]; D, delta_bias [d]. Returns out [b, d, l] in u's dtype, and with
+    ``return_last_state`` also the final state [b, d, n] (float32, complex for complex A)."""
+    cdt = _compute_dtype(u, delta, A, B, C)
+    batch, dim, seqlen = u.shape
+    complex_dtype = ("complex128" if cdt == "float64" else "complex64") if _is_complex(A) else None
+    uf = u.astype(cdt)
+    dt = _dt(delta, delta_bias, delta_softplus, cdt)
+    Af = A.astype(complex_dtype or cdt)
+    Bx = _expand_bc(B, dim, seqlen, cdt, complex_dtype)
+    Cx = _expand_bc(C, dim, seqlen, cdt, complex_dtype)
+    if complex_dtype:
+        ys, h = _scan_sequential(uf.astype(complex_dtype), dt.astype(complex_dtype), Af, Bx, Cx, seqlen)
+        y = paddle.real(ys) * 2
+    else:
+        ys, h = _scan_chunked(uf, dt, Af, Bx, Cx, seqlen, max(1, int(chunk_size)))
+        y = ys
+    if D is not None:
+        y = y + D.astype(cdt)[:, None] * uf
+    if z is not None:
+        y = y * F.silu(z.astype(cdt))
+    out = y.astype(u.dtype)
+    return (out, h.detach()) if return_last_state else out
+
+
+def _bc_slice(x, start: int, stop: int):
+    return x if x.shape[-1] == 1 else x[..., start:stop]
+
+
+def _scan_sequential(u, dt, A, Bx, Cx, seqlen):
+    h = None
+    ys = []
+    for t in range(seqlen):
+        dt_t = dt[:, :, t, None]
+        inp = (dt_t * u[:, :, t, None]) * _bc_slice(Bx, t, t + 1)[..., 0]
+        h = inp if h is None else paddle.exp(dt_t * A) * h + inp
+        ys.append((h * _bc_slice(Cx, t, t + 1)[..., 0]).sum(axis=-1))
+    return paddle.stack(ys, axis=-1), h
+
+
+def _scan_chunked(u, dt, A, Bx, Cx, seqlen, K):
+    batch, dim = u.shape[:2]
+    h = paddle.zeros([batch, dim, A.shape[1]], dtype=u.dtype)
+    ys = []
+    for start in range(0, seqlen, K):
+        stop = min(start + K, seqlen)
+        k = stop - start
+        dt_c = dt[:, :, None, start:stop]                            # [b, d, 1, k]
+        log_decay = paddle.cumsum(dt_c * A[None, :, :, None], axis=-1)  # S_t, [b, d, n, k]
+        inp = dt_c * u[:, :, None, start:stop] * _bc_slice(Bx, start, stop)
+        # exp(S_t - S_s) for s <= t; the upper triangle is masked before exp (it may overflow)
+        diff = log_decay[..., :, None] - log_decay[..., None, :]
+        causal = paddle.tril(paddle.ones([k, k], dtype="bool"))
+        weights = paddle.exp(paddle.where(causal, diff, paddle.full_like(diff, float("-inf"))))
+        hs = paddle.matmul(weights, inp[..., None])[..., 0] + paddle.exp(log_decay) * h[..., None]
+        ys.append((hs * _bc_slice(Cx, start, stop)).sum(axis=2))
+        h = hs[..., -1]
+    return paddle.concat(ys, axis=-1), h
+
+
+def _silu_or_identity(x, activation):
+    return F.silu(x) if activation in ("silu", "swish") else x
+
+
+def causal_conv1d_ref(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                      final_states_out=None, activation=None):
+    """Depthwise causal conv (see ``causal_conv1d_fn``): x [b, d, l], weight [d, w], bias [d],
+    seq_idx [b, l] (int), initial_states [b, d, w-1]. Returns out (x's dtype), and with
+    ``return_final_states`` also the last w-1 inputs [b, d, w-1] (written into
+    ``final_states_out`` when given)."""
+    cdt = _compute_dtype(x, weight)
+    batch, dim, seqlen = x.shape
+    width = weight.shape[1]
+    xf = x.astype(cdt)
+    if initial_states is not None:
+        pad = initial_states.astype(cdt)
+    else:
+        pad = paddle.zeros([batch, dim, width - 1], dtype=cdt)
+    padded = paddle.concat([pad, xf], axis=-1) if width > 1 else xf
+    wf = weight.astype(cdt)
+    out = paddle.zeros([batch, dim, seqlen], dtype=cdt)
+    if bias is not None:
+        out = out + bias.astype(cdt)[:, None]
+    if seq_idx is not None:  # the initial states continue the sequence of position 0
+        padded_idx = paddle.concat([seq_idx[:, :1].expand([batch, width - 1]), seq_idx], axis=-1)
+    for k in range(width):
+        window = padded[:, :, k:k + seqlen]  # x at t - (w - 1) + k
+        if seq_idx is not None:
+            same = (padded_idx[:, k:k + seqlen] == seq_idx).astype(cdt)[:, None, :]
+            window = window * same
+        out = out + window * wf[:, k:k + 1]
+    out = _silu_or_identity(out, activation).astype(x.dtype)
+    if not return_final_states:
+        return out
+    final = padded[:, :, padded.shape[-1] - (width - 1):].astype(x.dtype)
+    if final_states_out is not None:
+        paddle.assign(final.detach(), output=final_states_out)
+        final = final_states_out
+    return out, final
+
+
+def causal_conv1d_update_ref(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None):
+    """Decoding step(s) of the causal conv. x [b, d] or [b, d, s] (s new tokens), conv_state
+    [b, d, state_len >= w - 1] updated in place: the last state_len inputs, or with
+    ``cache_seqlens`` [b] (int) a circular buffer where token i of x goes to position
+    ``(cache_seqlens + i) % state_len``. Returns out shaped like x."""
+    cdt = _compute_dtype(x, weight)
+    squeeze = x.ndim == 2
+    x3 = (x[:, :, None] if squeeze else x).astype(cdt)
+    batch, dim, steps = x3.shape
+    width, state_len = weight.shape[1], conv_state.shape[-1]
+    state = conv_state.astype(cdt)
+    if cache_seqlens is None:
+        history = paddle.concat([state, x3], axis=-1)
+        new_state = history[:, :, -state_len:]
+    else:
+        seqlens = cache_seqlens.astype("int64")[:, None]
+        window_idx = (paddle.arange(-(width - 1), 0, dtype="int64")[None, :] + seqlens) % state_len
+        window = paddle.take_along_axis(state, window_idx[:, None, :].expand([batch, dim, width - 1]), axis=2)
+        history = paddle.concat([window, x3], axis=-1)
+        kept = min(steps, state_len)  # later tokens overwrite earlier ones in a short buffer
+        write_idx = (paddle.arange(steps - kept, steps, dtype="int64")[None, :] + seqlens) % state_len
+        new_state = paddle.put_along_axis(state, write_idx[:, None, :].expand([batch, dim, kept]),
+                                          x3[:, :, steps - kept:], axis=2)
+    wf = weight.astype(cdt)
+    offset = history.shape[-1] - steps - (width - 1)
+    out = paddle.zeros([batch, dim, steps], dtype=cdt)
+    if bias is not None:
+        out = out + bias.astype(cdt)[:, None]
+    for k in range(width):
+        out = out + history[:, :, offset + k:offset + k + steps] * wf[:, k:k + 1]
+    out = _silu_or_identity(out, activation).astype(x.dtype)
+    paddle.assign(new_state.astype(conv_state.dtype), output=conv_state)
+    return out[:, :, 0] if squeeze else out
+
+
+def selective_state_update_ref(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+    """One decoding step of the scan: state [b, d, n] updated in place; x, dt, z [b, d]; A [d, n];
+    B, C [b, n] or [b, g, n]; D, dt_bias [d]. Returns out [b, d] in x's dtype."""
+    cdt = _compute_dtype(x, state, A)
+    dim = x.shape[1]
+    dtf = dt.astype(cdt)
+    if dt_bias is not None:
+        dtf = dtf + dt_bias.astype(cdt)
+    if dt_softplus:
+        dtf = F.softplus(dtf)
+
+    def per_dim(t):
+        t = t.astype(cdt)
+        return t[:, None, :] if t.ndim == 2 else paddle.repeat_interleave(t, dim // t.shape[1], axis=1)
+
+    xf = x.astype(cdt)
+    new_state = state.astype(cdt) * paddle.exp(dtf[:, :, None] * A.astype(cdt)) + \
+        (dtf * xf)[:, :, None] * per_dim(B)
+    y = (new_state * per_dim(C)).sum(axis=-1)
+    if D is not None:
+        y = y + D.astype(cdt) * xf
+    if z is not None:
+        y = y * F.silu(z.astype(cdt))
+    paddle.assign(new_state.astype(state.dtype), output=state)
+    return y.astype(x.dtype)
+
+
+def paddle_linear_weights(x_proj_weight, delta_proj_weight, out_proj_weight, is_paddle_linear: bool):
+    """The three projection weights in Paddle's ``[in, out]`` layout (torch's is ``[out, in]``)."""
+    if is_paddle_linear:
+        return x_proj_weight, delta_proj_weight, out_proj_weight
+    return x_proj_weight.T, delta_proj_weight.T, out_proj_weight.T
+
+
+def conv_weight_2d(conv1d_weight):
+    """A Conv1D weight [d, 1, w] (or already [d, w]) as [d, w]."""
+    return conv1d_weight.reshape([conv1d_weight.shape[0], conv1d_weight.shape[-1]])
+
+
+def mamba_inner_ref(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight, out_proj_weight,
+                    out_proj_bias, A, B=None, C=None, D=None, delta_bias=None, B_proj_bias=None,
+                    C_proj_bias=None, delta_softplus=True, is_paddle_linear=True):
+    """Mamba-1 inner block composed from the references: xz [b, 2d, l] -> out [b, l, d_model].
+
+    x, z = split(xz); x = silu(conv(x)); x_dbl = x^T @ x_proj; delta = x_dbl[:, :r] @ delta_proj;
+    B, C = x_dbl's next dstate columns each (unless given); y = scan(x, delta, A, B, C, D, z);
+    out = y^T @ out_proj + out_proj_bias."""
+    cdt = _compute_dtype(xz)
+    batch, two_dim, seqlen = xz.shape
+    dim = two_dim // 2
+    x_proj, delta_proj, out_proj = (w.astype(cdt) for w in paddle_linear_weights(
+        x_proj_weight, delta_proj_weight, out_proj_weight, is_paddle_linear))
+    rank = delta_proj.shape[0]
+    dstate = A.shape[1] * (2 if _is_complex(A) else 1)
+    xzf = xz.astype(cdt)
+    x, z = xzf[:, :dim], xzf[:, dim:]
+    conv_out = causal_conv1d_ref(x, conv_weight_2d(conv1d_weight).astype(cdt), _cast(conv1d_bias, cdt),
+                                 activation="silu")
+    x_dbl = paddle.matmul(conv_out.transpose([0, 2, 1]).reshape([batch * seqlen, dim]), x_proj)
+    delta = paddle.matmul(x_dbl[:, :rank], delta_proj).reshape([batch, seqlen, dim]).transpose([0, 2, 1])
+
+    def projected(start, bias):
+        t = x_dbl[:, start:start + dstate]
+        if bias is not None:
+            t = t + bias.astype(cdt)
+        t = t.reshape([batch, seqlen, dstate])
+        if _is_complex(A):  # [b, l, (n two)] -> [b, n, (l two)]
+            t = t.reshape([batch, seqlen, dstate // 2, 2]).transpose([0, 2, 1, 3])
+            return t.reshape([batch, dstate // 2, 2 * seqlen])
+        return t.transpose([0, 2, 1])
+
+    B = projected(rank, B_proj_bias) if B is None else B
+    C = projected(rank + dstate, C_proj_bias) if C is None else C
+    y = selective_scan_ref(conv_out, delta, A, B, C, D, z, delta_bias, delta_softplus)
+    out = paddle.matmul(y.transpose([0, 2, 1]), out_proj)
+    if out_proj_bias is not None:
+        out = out + out_proj_bias.astype(cdt)
+    return out.astype(xz.dtype)

@@ -1,0 +1,339 @@
+"""Mamba-1 kernels on the GPU (selective scan, causal conv1d, decoding steps) against float64 numpy
+recurrences with hand-written adjoints: every dtype, odd shapes, seqlen 32768, tensors past 2^31
+elements (64-bit offsets). Outputs are poisoned (NaN) before the kernels write them."""
+
+import numpy as np
+import pytest
+
+from paddlenlp_fused.kernels.triton import causal_conv1d as conv_kernels
+from paddlenlp_fused.kernels.triton import selective_scan as scan_kernels
+from paddlenlp_fused.testing.numerics import assert_close
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def _dsilu(x):
+    s = 1 / (1 + np.exp(-x))
+    return s * (1 + x * (1 - s))
+
+
+# ----------------------------------------------------------------------------------------------
+# float64 references
+
+
+def _bc_per_dim(M, dim):
+    """B or C as a function t -> [batch or 1, dim, dstate], and how to fold a per-dim gradient
+    [batch, dim, dstate, seqlen] back to M's shape."""
+    if M.ndim == 2:
+        return (lambda t: M[None]), (lambda g: g.sum(axis=(0, 3)))
+    groups = 1 if M.ndim == 3 else M.shape[1]
+    M4 = M[:, None] if M.ndim == 3 else M
+    index = np.arange(dim) // (dim // groups)
+
+    def fold(g):
+        out = np.zeros(M4.shape)
+        np.add.at(out, (slice(None), index), g)
+        return out[:, 0] if M.ndim == 3 else out
+    return (lambda t: M4[..., t][:, index]), fold
+
+
+def scan_reference(u, delta, A, B, C, D=None, z=None, delta_bias=None, softplus=False, dout=None):
+    """(out, last state) and, with dout, the gradients (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias)."""
+    batch, dim, seqlen = u.shape
+    raw = delta + (delta_bias[:, None] if delta_bias is not None else 0)
+    dt = np.where(raw > 20, raw, np.log1p(np.exp(np.minimum(raw, 20)))) if softplus else raw
+    B_at, fold_B = _bc_per_dim(B, dim)
+    C_at, fold_C = _bc_per_dim(C, dim)
+    hs = np.zeros((seqlen, batch, dim, A.shape[1]))
+    h = np.zeros((batch, dim, A.shape[1]))
+    y = np.zeros((batch, dim, seqlen))
+    for t in range(seqlen):
+        h = np.exp(dt[:, :, t, None] * A) * h + (dt[:, :, t] * u[:, :, t])[:, :, None] * B_at(t)
+        hs[t] = h
+        y[:, :, t] = (h * C_at(t)).sum(-1)
+    if D is not None:
+        y = y + D[:, None] * u
+    out = y * _silu(z) if z is not None else y
+    if dout is None:
+        return out, h
+    dy = dout * _silu(z) if z is not None else dout
+    dz = dout * y * _dsilu(z) if z is not None else None
+    du = dy * D[:, None] if D is not None else np.zeros_like(u)
+    ddt = np.zeros_like(u)
+    dA = np.zeros_like(A)
+    dB_full = np.zeros((batch, dim, A.shape[1], seqlen))
+    dC_full = np.zeros_like(dB_full)
+    g = np.zeros_like(h)
+    for t in reversed(range(seqlen)):
+        if t + 1 < seqlen:
+            g = g * np.exp(dt[:, :, t + 1, None] * A)
+        g = g + C_at(t) * dy[:, :, t, None]
+        decayed_prev = np.exp(dt[:, :, t, None] * A) * (hs[t - 1] if t > 0 else 0)
+        du[:, :, t] += (g * dt[:, :, t, None] * B_at(t)).sum(-1)
+        ddt[:, :, t] = (g * (B_at(t) * u[:, :, t, None] + A * decayed_prev)).sum(-1)
+        dA += (g * dt[:, :, t, None] * decayed_prev).sum(0)
+        dB_full[..., t] = g * (dt[:, :, t] * u[:, :, t])[:, :, None]
+        dC_full[..., t] = hs[t] * dy[:, :, t, None]
+    ddelta = ddt * (1 / (1 + np.exp(-raw))) * (raw <= 20) + ddt * (raw > 20) if softplus else ddt
+    grads = dict(du=du, ddelta=ddelta, dA=dA, dB=fold_B(dB_full), dC=fold_C(dC_full))
+    grads["dD"] = (dy * u).sum(axis=(0, 2)) if D is not None else None
+    grads["dz"] = dz
+    grads["ddelta_bias"] = ddelta.sum(axis=(0, 2)) if delta_bias is not None else None
+    return out, h, grads
+
+
+def conv_reference(x, weight, bias=None, seq_idx=None, init=None, silu=True, dout=None):
+    """(out) and, with dout, the gradients (dx, dweight, dbias, dinit)."""
+    batch, dim, seqlen = x.shape
+    width = weight.shape[1]
+    xp = np.concatenate([init if init is not None else np.zeros((batch, dim, width - 1)), x], axis=-1)
+    if seq_idx is not None:
+        sp = np.concatenate([np.repeat(seq_idx[:, :1], width - 1, axis=1), seq_idx], axis=-1)
+        same = [(sp[:, k:k + seqlen] == seq_idx)[:, None, :] for k in range(width)]
+    else:
+        same = [np.ones((1, 1, seqlen), bool)] * width
+    pre = np.zeros((batch, dim, seqlen)) + (bias[:, None] if bias is not None else 0)
+    for k in range(width):
+        pre += weight[:, k, None] * xp[:, :, k:k + seqlen] * same[k]
+    out = _silu(pre) if silu else pre
+    if dout is None:
+        return out
+    dpre = dout * _dsilu(pre) if silu else dout
+    dxp = np.zeros_like(xp)
+    dw = np.zeros_like(weight)
+    for k in range(width):
+        dxp[:, :, k:k + seqlen] += weight[:, k, None] * dpre * same[k]
+        dw[:, k] = (dpre * xp[:, :, k:k + seqlen] * same[k]).sum(axis=(0, 2))
+    return out, dict(dx=dxp[:, :, width - 1:], dweight=dw, dbias=dpre.sum(axis=(0, 2)) if bias is not None else None,
+                     dinit=dxp[:, :, :width - 1] if init is not None else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# selective scan
+
+# (batch, dim, seqlen, dstate, B/C kind, options)
+SCAN_SHAPES = [
+    (1, 1, 1, 1, "variable", True),
+    (2, 37, 300, 16, "variable", True),
+    (3, 64, 1000, 4, "fixed", False),
+    (2, 48, 257, 16, "grouped", True),
+    (1, 20, 513, 64, "variable", False),
+]
+
+
+def _scan_tensors(provider, batch, dim, seqlen, dstate, kind, options, dtype):
+    shapes = {"fixed": (dim, dstate), "variable": (batch, dstate, seqlen), "grouped": (batch, 4, dstate, seqlen)}
+    if kind == "grouped":
+        assert dim % 4 == 0
+    t = dict(u=provider.randn((batch, dim, seqlen), dtype),
+             delta=provider.randn((batch, dim, seqlen), dtype, scale=0.5, offset=-1.0 if options else 0.2),
+             A=provider.from_numpy(-np.exp(np.random.randn(dim, dstate) * 0.5), "float32"),
+             B=provider.randn(shapes[kind], dtype if kind != "fixed" else "float32"),
+             C=provider.randn(shapes[kind], dtype if kind != "fixed" else "float32"))
+    t.update(D=provider.randn((dim,), "float32") if options else None,
+             z=provider.randn((batch, dim, seqlen), dtype) if options else None,
+             delta_bias=provider.randn((dim,), "float32", scale=0.3) if options else None)
+    return t
+
+
+def _run_scan(provider, t, softplus, dout, plan=None):
+    u = t["u"]
+    batch, dim, seqlen = u.shape
+    dstate = t["A"].shape[1]
+    plan = plan or scan_kernels.scan_plan(seqlen)
+    dtype = str(u.dtype).split(".")[-1]
+    out, last = provider.poisoned(u.shape, dtype), provider.poisoned((batch, dim, dstate), "float32")
+    states = provider.poisoned(scan_kernels.states_shape(batch, dim, dstate, plan), "float32")
+    args = [t[k] for k in ("u", "delta", "A", "B", "C")]
+    scan_kernels.selective_scan_fwd(*args, out, t["D"], t["z"], t["delta_bias"], states, last,
+                                    delta_softplus=softplus, plan=plan)
+    du, ddelta = provider.poisoned(u.shape, dtype), provider.poisoned(u.shape, dtype)
+    dz = provider.poisoned(u.shape, dtype) if t["z"] is not None else None
+    out_z = provider.poisoned(u.shape, dtype) if t["z"] is not None else None
+    work = provider.poisoned(scan_kernels.workspace_shape(batch, dim, dstate, plan), "float32")
+    acc = {k: provider.zeros(t[k].shape, "float32") if t[k] is not None else None
+           for k in ("A", "B", "C", "D", "delta_bias")}
+    scan_kernels.selective_scan_bwd(*args, dout, states, work, du, ddelta, acc["A"], acc["B"], acc["C"], t["D"],
+                                    t["z"], t["delta_bias"], acc["D"], dz, acc["delta_bias"], out_z,
+                                    delta_softplus=softplus, plan=plan)
+    provider.synchronize()
+    return out, last, out_z, dict(du=du, ddelta=ddelta, dA=acc["A"], dB=acc["B"], dC=acc["C"], dD=acc["D"], dz=dz,
+                                  ddelta_bias=acc["delta_bias"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SCAN_SHAPES, ids=str)
+def test_scan_fwd_bwd_match_float64(provider, shape, dtype):
+    batch, dim, seqlen, dstate, kind, options = shape
+    t = _scan_tensors(provider, batch, dim, seqlen, dstate, kind, options, dtype)
+    dout = provider.randn((batch, dim, seqlen), dtype)
+    out, last, out_z, grads = _run_scan(provider, t, options, dout)
+    np_t = {k: None if v is None else provider.to_numpy(v) for k, v in t.items()}
+    ref_out, ref_last, ref_grads = scan_reference(**np_t, softplus=options, dout=provider.to_numpy(dout))
+    assert_close("out", provider.to_numpy(out), ref_out, dtype)
+    assert_close("last_state", provider.to_numpy(last), ref_last, "float32" if dtype == "float32" else dtype)
+    if out_z is not None:
+        assert_close("out_z", provider.to_numpy(out_z), ref_out, dtype)
+    for name, g in grads.items():
+        if g is not None:
+            assert_close(name, provider.to_numpy(g), ref_grads[name], dtype)
+
+
+def test_scan_seqlen_32768(provider):
+    batch, dim, seqlen, dstate = 1, 64, 32768, 16
+    t = _scan_tensors(provider, batch, dim, seqlen, dstate, "variable", True, "bfloat16")
+    dout = provider.randn((batch, dim, seqlen), "bfloat16")
+    out, last, _, grads = _run_scan(provider, t, True, dout)
+    np_t = {k: None if v is None else provider.to_numpy(v) for k, v in t.items()}
+    ref_out, ref_last, ref_grads = scan_reference(**np_t, softplus=True, dout=provider.to_numpy(dout))
+    assert_close("out", provider.to_numpy(out), ref_out, "bfloat16")
+    assert_close("last_state", provider.to_numpy(last), ref_last, "bfloat16")
+    for name in ("du", "ddelta", "dA", "dB", "dC", "dz"):
+        assert_close(name, provider.to_numpy(grads[name]), ref_grads[name], "bfloat16")
+
+
+def test_scan_past_2_31_elements(provider):
+    """u, delta, z, out [2, 16384, 65537] bf16: 2^31 + 32768 elements each. The last batch's last dims
+    live past 2^31; they are checked against float64 (forward and backward)."""
+    batch, dim, seqlen, dstate = 2, 16384, 65537, 16
+    assert batch * dim * seqlen > 2**31
+    t = _scan_tensors(provider, batch, dim, seqlen, dstate, "variable", True, "bfloat16")
+    dout = provider.randn((batch, dim, seqlen), "bfloat16")
+    out, last, _, grads = _run_scan(provider, t, True, dout)
+    rows = slice(dim - 3, dim)
+    sub = {k: provider.to_numpy(t[k][1:, rows]) for k in ("u", "delta", "z")}  # slice on the device first
+    sub.update({k: provider.to_numpy(t[k][rows]) for k in ("A", "D", "delta_bias")})
+    sub.update({k: provider.to_numpy(t[k][1:]) for k in ("B", "C")})
+    ref_out, ref_last, ref_grads = scan_reference(**sub, softplus=True, dout=provider.to_numpy(dout[1:, rows]))
+    assert_close("out tail", provider.to_numpy(out[1:, rows]), ref_out, "bfloat16")
+    assert_close("last_state tail", provider.to_numpy(last[1:, rows]), ref_last, "bfloat16")
+    assert_close("du tail", provider.to_numpy(grads["du"][1:, rows]), ref_grads["du"], "bfloat16")
+    assert_close("ddelta tail", provider.to_numpy(grads["ddelta"][1:, rows]), ref_grads["ddelta"], "bfloat16")
+
+
+def test_selective_state_update_matches_recurrence(provider):
+    for dtype in DTYPES:
+        batch, dim, dstate, groups = 3, 130, 16, 2
+        state = provider.randn((batch, dim, dstate), dtype)
+        state0 = provider.to_numpy(state)
+        x, dt, z = (provider.randn((batch, dim), dtype) for _ in range(3))
+        A = provider.from_numpy(-np.exp(np.random.randn(dim, dstate)), "float32")
+        B, C = provider.randn((batch, groups, dstate), dtype), provider.randn((batch, groups, dstate), dtype)
+        D, dt_bias = provider.randn((dim,), "float32"), provider.randn((dim,), "float32")
+        out = provider.poisoned((batch, dim), dtype)
+        scan_kernels.selective_state_update(state, x, dt, A, B, C, out, D, z, dt_bias, dt_softplus=True)
+        provider.synchronize()
+        n = {k: provider.to_numpy(v) for k, v in dict(x=x, dt=dt, z=z, A=A, B=B, C=C, D=D, b=dt_bias).items()}
+        dt64 = np.log1p(np.exp(n["dt"] + n["b"]))
+        per_dim = lambda M: np.repeat(M, dim // groups, axis=1)  # noqa: E731
+        new = state0 * np.exp(dt64[..., None] * n["A"]) + (dt64 * n["x"])[..., None] * per_dim(n["B"])
+        y = ((new * per_dim(n["C"])).sum(-1) + n["D"] * n["x"]) * _silu(n["z"])
+        assert_close("state", provider.to_numpy(state), new, dtype)
+        assert_close("out", provider.to_numpy(out), y, dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# causal conv1d
+
+# (batch, dim, seqlen, width, channel-last, seq_idx + initial states)
+CONV_SHAPES = [
+    (1, 1, 1, 2, False, False),
+    (2, 37, 300, 4, False, True),
+    (3, 130, 1000, 3, True, False),
+    (2, 64, 2049, 4, True, True),
+    (1, 33, 777, 7, False, False),
+]
+
+
+def _run_conv(provider, x, weight, bias, seq_idx, init, dout, silu=True):
+    batch, dim, seqlen = x.shape
+    dtype = str(x.dtype).split(".")[-1]
+    act = "silu" if silu else None
+    out = provider.poisoned((batch, dim, seqlen), dtype)
+    conv_kernels.causal_conv1d_fwd(x, weight, out, bias, seq_idx, init, activation=act)
+    dx = provider.poisoned((batch, dim, seqlen), dtype)
+    dinit = provider.poisoned(tuple(init.shape), dtype) if init is not None else None
+    dw = provider.zeros(tuple(weight.shape), "float32")
+    db = provider.zeros((dim,), "float32") if bias is not None else None
+    conv_kernels.causal_conv1d_bwd(x, weight, dout, dx, dw, bias, db, seq_idx, init, dinit, activation=act)
+    provider.synchronize()
+    return out, dict(dx=dx, dweight=dw, dbias=db, dinit=dinit)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", CONV_SHAPES, ids=str)
+def test_conv_fwd_bwd_match_float64(provider, shape, dtype):
+    batch, dim, seqlen, width, channel_last, packed = shape
+    if channel_last:  # strides (l*d, 1, d)
+        x = provider.randn((batch, seqlen, dim), dtype)
+        x = x.transpose(1, 2) if provider.name == "torch" else x.transpose([0, 2, 1])
+    else:
+        x = provider.randn((batch, dim, seqlen), dtype)
+    weight, bias = provider.randn((dim, width), dtype, scale=0.5), provider.randn((dim,), dtype)
+    seq_idx = init = None
+    if packed:
+        cuts = np.sort(np.random.randint(0, seqlen, size=(batch, 3)), axis=1)
+        seq_idx = provider.from_numpy((np.arange(seqlen)[None, :, None] >= cuts[:, None, :]).sum(-1), "int32")
+        init = provider.randn((batch, dim, width - 1), dtype)
+    dout = provider.randn((batch, dim, seqlen), dtype)
+    out, grads = _run_conv(provider, x, weight, bias, seq_idx, init, dout)
+    ref_out, ref_grads = conv_reference(provider.to_numpy(x), provider.to_numpy(weight), provider.to_numpy(bias),
+                                        None if seq_idx is None else provider.to_numpy(seq_idx),
+                                        None if init is None else provider.to_numpy(init), True,
+                                        provider.to_numpy(dout))
+    assert_close("out", provider.to_numpy(out), ref_out, dtype)
+    for name, g in grads.items():
+        if g is not None:
+            assert_close(name, provider.to_numpy(g), ref_grads[name], dtype)
+
+
+def test_conv_seqlen_32768_and_past_2_31_elements(provider):
+    """x [2, 16384, 65537] bf16 (2^31 + 32768 elements): the last batch's last dims past 2^31 and a
+    32768-long stretch of them checked against float64, forward and backward."""
+    batch, dim, seqlen, width = 2, 16384, 65537, 4
+    x = provider.randn((batch, dim, seqlen), "bfloat16")
+    weight, bias = provider.randn((dim, width), "bfloat16", scale=0.5), provider.randn((dim,), "bfloat16")
+    dout = provider.randn((batch, dim, seqlen), "bfloat16")
+    out, grads = _run_conv(provider, x, weight, bias, None, None, dout)
+    rows, cols = slice(dim - 2, dim), slice(seqlen - 32768, seqlen)
+    # the window's first outputs need the width - 1 inputs before it
+    xs = provider.to_numpy(x[1:, rows, seqlen - 32768 - (width - 1):])
+    ref_out = conv_reference(xs, provider.to_numpy(weight[rows]), provider.to_numpy(bias[rows]))
+    assert_close("out tail", provider.to_numpy(out[1:, rows, cols]), ref_out[:, :, width - 1:], "bfloat16")
+    _, ref_grads = conv_reference(provider.to_numpy(x[1:, rows]), provider.to_numpy(weight[rows]),
+                                  provider.to_numpy(bias[rows]), dout=provider.to_numpy(dout[1:, rows]))
+    assert_close("dx tail", provider.to_numpy(grads["dx"][1:, rows, cols]), ref_grads["dx"][:, :, cols], "bfloat16")
+
+
+def test_causal_conv1d_update_matches_reference(provider):
+    for dtype in DTYPES:
+        for ring in (False, True):
+            batch, dim, width, state_len, steps = 3, 70, 4, 5, 2
+            state = provider.randn((batch, dim, state_len), dtype)
+            state0 = provider.to_numpy(state)
+            x = provider.randn((batch, dim, steps), dtype)
+            weight, bias = provider.randn((dim, width), dtype), provider.randn((dim,), dtype)
+            seqlens = np.array([4, 9, 13], dtype=np.int32)
+            out = provider.poisoned((batch, dim, steps), dtype)
+            conv_kernels.causal_conv1d_update(x, state, weight, out, bias, activation="silu",
+                                              cache_seqlens=provider.from_numpy(seqlens, "int32") if ring else None)
+            provider.synchronize()
+            x64, w64, b64 = provider.to_numpy(x), provider.to_numpy(weight), provider.to_numpy(bias)
+            want_state = state0.copy()
+            for b in range(batch):
+                if ring:
+                    window_idx = (np.arange(-(width - 1), 0) + seqlens[b]) % state_len
+                    window = state0[b][:, window_idx]
+                    for i in range(steps):
+                        want_state[b][:, (seqlens[b] + i) % state_len] = x64[b][:, i]
+                else:
+                    window = state0[b][:, state_len - (width - 1):]
+                    want_state[b] = np.concatenate([state0[b], x64[b]], axis=-1)[:, steps:]
+                seq = np.concatenate([window, x64[b]], axis=-1)[None]
+                want = conv_reference(seq, w64, b64)[0][:, width - 1:]
+                assert_close(f"update out ring={ring}", provider.to_numpy(out)[b], want, dtype)
+            np.testing.assert_array_equal(provider.to_numpy(state), want_state)
