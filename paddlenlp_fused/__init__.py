@@ -31,6 +31,20 @@ _EXPORTS = {
     "FlashContrastiveLoss": "layers.contrastive",
     "cal_flash_loss": "ops.contrastive",
     "flash_contrastive_loss": "ops.contrastive",
+    "FusedDense": "layers.fused_dense",
+    "FusedMLP": "layers.fused_dense",
+    "ColumnParallelLinear": "layers.tensor_parallel",
+    "RowParallelLinear": "layers.tensor_parallel",
+    "ParallelFusedMLP": "layers.tensor_parallel",
+    "fused_dense_func": "ops.fused_dense",
+    "fused_mlp_func": "ops.fused_dense",
+    "MambaMixer": "layers.mamba",
+    "MambaInferenceCache": "layers.mamba",
+    "selective_scan_fn": "ops.mamba",
+    "causal_conv1d_fn": "ops.mamba",
+    "causal_conv1d_update": "ops.mamba",
+    "selective_state_update": "ops.mamba",
+    "mamba_inner_fn": "ops.mamba",
 }
 
 __all__ = sorted(_EXPORTS)

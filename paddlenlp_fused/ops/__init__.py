@@ -18,6 +18,13 @@ _EXPORTS = {
     "cce_linear_cross_entropy": "linear_cross_entropy",
     "cal_flash_loss": "contrastive",
     "flash_contrastive_loss": "contrastive",
+    "fused_dense_func": "fused_dense",
+    "fused_mlp_func": "fused_dense",
+    "selective_scan_fn": "mamba",
+    "causal_conv1d_fn": "mamba",
+    "causal_conv1d_update": "mamba",
+    "selective_state_update": "mamba",
+    "mamba_inner_fn": "mamba",
 }
 
 __all__ = sorted(_EXPORTS)
