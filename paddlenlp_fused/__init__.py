@@ -6,7 +6,7 @@ access, and ``paddlenlp_fused.kernels`` imports without Paddle.
 
 from __future__ import annotations
 
-import importlib
+from ._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -47,17 +47,4 @@ _EXPORTS = {
     "mamba_inner_fn": "ops.mamba",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'paddlenlp_fused' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+lazy_exports(globals(), _EXPORTS)

@@ -5,7 +5,7 @@ Loaded lazily, one module per op family, so importing one op does not compile or
 
 from __future__ import annotations
 
-import importlib
+from .._lazy import lazy_exports
 
 _EXPORTS = {
     "swiglu": "gated_activation",
@@ -27,17 +27,4 @@ _EXPORTS = {
     "mamba_inner_fn": "mamba",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'paddlenlp_fused.ops' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+lazy_exports(globals(), _EXPORTS)

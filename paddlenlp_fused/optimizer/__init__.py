@@ -4,23 +4,10 @@ Loaded lazily, so ``import paddlenlp_fused.optimizer`` compiles nothing."""
 
 from __future__ import annotations
 
-import importlib
+from .._lazy import lazy_exports
 
 _EXPORTS = {
     "FusedAdamW": "adamw",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'paddlenlp_fused.optimizer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+lazy_exports(globals(), _EXPORTS)

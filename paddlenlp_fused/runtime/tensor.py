@@ -69,6 +69,15 @@ def check_same_shape(name: str, t, expected: Sequence[int]) -> None:
         raise ValueError(f"{name}: expected shape {tuple(expected)}, got {shape(t)}")
 
 
+def check_rows(name: str, t, M: int, N: int) -> None:
+    """``t`` is None, or an ``[M, N]`` matrix whose last axis is contiguous (rows at any stride)."""
+    if t is None:
+        return
+    check_same_shape(name, t, (M, N))
+    if M and N > 1 and strides(t)[1] != 1:
+        raise ValueError(f"{name}: last axis must be contiguous, got strides {strides(t)}")
+
+
 def check_contiguous(name: str, t) -> None:
     if not is_contiguous(t):
         raise ValueError(f"{name}: launcher expects a contiguous tensor, got strides {strides(t)}")

@@ -44,14 +44,6 @@ def _row_stride(t) -> int:
     return 0 if t is None else T.strides(t)[0]
 
 
-def _check_rows(name: str, t, M: int, N: int) -> None:
-    if t is None:
-        return
-    T.check_same_shape(name, t, (M, N))
-    if M and N > 1 and T.strides(t)[1] != 1:
-        raise ValueError(f"{name}: last axis must be contiguous, got strides {T.strides(t)}")
-
-
 def _check_vectors(named, length: int) -> None:
     for name, t in named:
         if t is not None:
@@ -89,7 +81,7 @@ def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None
         raise ValueError(f"x: expected a 2-D tensor [M, N], got shape {T.shape(x)}")
     M, N = T.shape(x)
     for name, t in (("x", x), ("y", y), ("residual", residual), ("residual_out", residual_out)):
-        _check_rows(name, t, M, N)
+        T.check_rows(name, t, M, N)
     if not is_rms_norm and mean is None:
         raise ValueError("mean: LayerNorm needs the [M] fp32 mean buffer")
     _check_vectors((("weight", weight), ("bias", bias)), N)
@@ -113,7 +105,7 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dr
         raise ValueError(f"h: expected a 2-D tensor [M, N], got shape {T.shape(h)}")
     M, N = T.shape(h)
     for name, t in (("h", h), ("dy", dy), ("dx", dx), ("dresidual_out", dresidual_out), ("dresidual", dresidual)):
-        _check_rows(name, t, M, N)
+        T.check_rows(name, t, M, N)
     if T.dtype_name(dy) != T.dtype_name(dx):
         raise TypeError(f"dx: expected dy's dtype {T.dtype_name(dy)}, got {T.dtype_name(dx)}")
     if not is_rms_norm and mean is None:

@@ -41,8 +41,9 @@ def _act_and_grad(a, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _gated_fwd_kernel(x_ptr, out_ptr, M, H, stride_x, stride_out,
-                      ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+def _load_gate_up(x_ptr, M, H, stride_x, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """This program's [BLOCK_M, BLOCK_H] tile of gate and up (fp32), its 64-bit row indices,
+    column indices and mask."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (rows[:, None] < M) & (cols[None, :] < H)
@@ -50,23 +51,24 @@ def _gated_fwd_kernel(x_ptr, out_ptr, M, H, stride_x, stride_out,
     x_row = x_ptr + rows64 * stride_x + cols[None, :]
     gate = tl.load(x_row, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + H, mask=mask, other=0.0).to(tl.float32)
+    return gate, up, rows64, cols[None, :], mask
+
+
+@triton.jit
+def _gated_fwd_kernel(x_ptr, out_ptr, M, H, stride_x, stride_out,
+                      ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    gate, up, rows64, cols, mask = _load_gate_up(x_ptr, M, H, stride_x, BLOCK_M, BLOCK_H)
     act, _ = _act_and_grad(gate, ACTIVATION)
-    tl.store(out_ptr + rows64 * stride_out + cols[None, :], (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows64 * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _gated_bwd_kernel(x_ptr, dout_ptr, dx_ptr, M, H, stride_x, stride_dout, stride_dx,
                       ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = (rows[:, None] < M) & (cols[None, :] < H)
-    rows64 = rows.to(tl.int64)[:, None]
-    x_row = x_ptr + rows64 * stride_x + cols[None, :]
-    gate = tl.load(x_row, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_row + H, mask=mask, other=0.0).to(tl.float32)
-    dout = tl.load(dout_ptr + rows64 * stride_dout + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    gate, up, rows64, cols, mask = _load_gate_up(x_ptr, M, H, stride_x, BLOCK_M, BLOCK_H)
+    dout = tl.load(dout_ptr + rows64 * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
     act, dact = _act_and_grad(gate, ACTIVATION)
-    dx_row = dx_ptr + rows64 * stride_dx + cols[None, :]
+    dx_row = dx_ptr + rows64 * stride_dx + cols
     tl.store(dx_row, (dout * up * dact).to(dx_ptr.dtype.element_ty), mask=mask)
     tl.store(dx_row + H, (dout * act).to(dx_ptr.dtype.element_ty), mask=mask)
 
@@ -88,11 +90,9 @@ def _check(x, gated, activation):
     M, two_h = T.shape(x)
     if two_h % 2:
         raise ValueError(f"x: last axis must be even (2H), got {two_h}")
+    T.check_rows("x", x, M, two_h)
     for name, t, width in gated:
-        T.check_same_shape(name, t, (M, width))
-    for name, t in [("x", x)] + [(n, t) for n, t, _ in gated]:
-        if T.numel(t) and T.shape(t)[1] > 1 and T.strides(t)[1] != 1:
-            raise ValueError(f"{name}: last axis must be contiguous, got strides {T.strides(t)}")
+        T.check_rows(name, t, M, width)
     return M, two_h // 2
 
 
