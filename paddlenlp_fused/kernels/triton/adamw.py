@@ -218,8 +218,8 @@ def _adamw_multi_tensor_kernel(chunk_tensor_ptr, offsets_ptr, hyper_ptr,
              tl.load(h + 6), tl.load(h + 7))
     counter = pid.to(tl.int64) * (CHUNK // 4)  # Philox counters of this chunk: CHUNK / 4 of them
 
-    # Loops of constant trip count with guards (the interpreter cannot loop to a bound computed from
-    # program_id), not unrolled: one block's values live at a time.
+    # Loops of constant trip count with guards, not unrolled: one block's values live at a time. (Run-time
+    # bounds work in the interpreter now, but change the compiled code: switch with a GPU-verified run.)
     n = tl.minimum(numel - chunk_start, CHUNK)  # elements of this chunk
     n_full = n // BLOCK
     for i in tl.range(ITERS, loop_unroll_factor=1):

@@ -36,8 +36,8 @@ pass, instead of a convert inside every GEMM step). The G workspace has the oper
 indices: ``b_offset``/``a_offset`` give the global index of ``b[0]``/``a[0]`` (blocks of a ring over a
 data-parallel group). Tiles come from ``DEFAULT_CONFIGS`` or a ``TileConfig`` argument.
 
-Triton's interpreter stores bf16 as uint16 and its ``tl.dot`` multiplies the raw integers, so in
-interpreter mode the operands are upcast to fp32 before the dot (same products, fp32 accumulation).
+Dot operands pass through ``interpreter_compat.dot_operand`` (fp32 in Triton's interpreter, whose
+``tl.dot`` mishandles bf16).
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ from typing import NamedTuple
 
 import triton
 import triton.language as tl
-from triton import knobs
 
 from ...runtime import tensor as T
+from .interpreter_compat import dot_operand
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E): the kernels work in exp2
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -59,7 +59,7 @@ GRAD_CHUNK = 8192  # rows and columns of one materialised G chunk (faster than 4
 @triton.jit
 def _score_tile(a_ptr, b_ptr, rows, cols, M, N, D, stride_a, stride_b,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                EVEN_D: tl.constexpr, PRECISION: tl.constexpr):
     """a[rows] @ b[cols].T over all of D: [BLOCK_M, BLOCK_N] fp32 (masked rows/cols/D read as 0)."""
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + ks[None, :]
@@ -75,10 +75,7 @@ def _score_tile(a_ptr, b_ptr, rows, cols, M, N, D, stride_a, stride_b,
             k_ok = (k0 + ks)[None, :] < D
             a = tl.load(a_ptrs, mask=row_ok & k_ok, other=0.0)
             b = tl.load(b_ptrs, mask=col_ok & k_ok, other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        acc = tl.dot(dot_operand(a), tl.trans(dot_operand(b)), acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     return acc
@@ -87,7 +84,7 @@ def _score_tile(a_ptr, b_ptr, rows, cols, M, N, D, stride_a, stride_b,
 @triton.jit(do_not_specialize=["M", "N"])
 def _lse_fwd_kernel(a_ptr, b_ptr, lse_ptr, M, N, D, stride_a, stride_b, scale,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-                    EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, FLATTEN: tl.constexpr):
+                    EVEN_D: tl.constexpr, PRECISION: tl.constexpr, FLATTEN: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     scale_log2 = scale * _LOG2E
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)  # running max, log2 units
@@ -95,7 +92,7 @@ def _lse_fwd_kernel(a_ptr, b_ptr, lse_ptr, M, N, D, stride_a, stride_b, scale,
     for n0 in tl.range(0, N, BLOCK_N, flatten=FLATTEN):
         cols = n0 + tl.arange(0, BLOCK_N)
         s = _score_tile(a_ptr, b_ptr, rows, cols, M, N, D, stride_a, stride_b,
-                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_D, UPCAST, PRECISION) * scale_log2
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_D, PRECISION) * scale_log2
         if not EVEN_N:
             s = tl.where(cols[None, :] < N, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -138,15 +135,14 @@ def _grad_scores_kernel(a_ptr, b_ptr, lse_a_ptr, lse_b_ptr, w_a_ptr, w_b_ptr, la
                         a_label_start, b_label_start, scale,
                         ROW_TERM: tl.constexpr, COL_TERM: tl.constexpr, G_RANGE: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                        EVEN_D: tl.constexpr, PRECISION: tl.constexpr):
     """G[i, j] * G_RANGE / w_max for a[a_start + i], b[b_start + j], i < M, j < N, into g[i, j]."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
     dots = _score_tile(a_ptr + a_start.to(tl.int64) * stride_a, b_ptr + b_start.to(tl.int64) * stride_b,
-                       rows, cols, M, N, D, stride_a, stride_b, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_D, UPCAST,
-                       PRECISION)
+                       rows, cols, M, N, D, stride_a, stride_b, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_D, PRECISION)
     s_log2 = dots * (scale * _LOG2E)
     grad = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if ROW_TERM:  # softmax over b for each row of a
@@ -170,7 +166,7 @@ def _grad_scores_kernel(a_ptr, b_ptr, lse_a_ptr, lse_b_ptr, w_a_ptr, w_b_ptr, la
 def _matmul_tile(a_ptr, b_ptr, out_ptr, w_max_ptr, tile, M, N, K, stride_a, stride_b, stride_out, a_k_start,
                  b_k_start, out_start, accumulate, TRANS_OUT: tl.constexpr, G_RANGE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of C = w_max / G_RANGE * A @ B, A[m, k] = a[m, a_k_start + k] and
     B[k, n] = b[b_k_start + k, n] both row-major (K-major A, N-major B: the layouts whose loads the
     sm_90 pipeliner turns into async copies; a transposed view of A is loaded synchronously there).
@@ -192,10 +188,7 @@ def _matmul_tile(a_ptr, b_ptr, out_ptr, w_max_ptr, tile, M, N, K, stride_a, stri
         else:
             a = tl.load(a_ptrs, mask=row_ok & ((k0 + ks)[None, :] < K), other=0.0)
             b = tl.load(b_ptrs, mask=col_ok & ((k0 + ks)[:, None] < K), other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = tl.dot(dot_operand(a), dot_operand(b), acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_b
     acc = acc * (tl.load(w_max_ptr) / G_RANGE)
@@ -212,13 +205,12 @@ def _matmul_tile(a_ptr, b_ptr, out_ptr, w_max_ptr, tile, M, N, K, stride_a, stri
 @triton.jit(do_not_specialize=["out_start", "accumulate"])
 def _matmul_kernel(a_ptr, b_ptr, out_ptr, w_max_ptr, M, N, K, stride_a, stride_b, stride_out, a_k_start, b_k_start,
                    out_start, accumulate, TRANS_OUT: tl.constexpr, G_RANGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
     """One product of a G chunk per launch. (Both products as two branches of one kernel leave the
     second branch's loads out of the software pipeline on sm_90: synchronous loads, TTGIR.)"""
     _matmul_tile(a_ptr, b_ptr, out_ptr, w_max_ptr, tl.program_id(0), M, N, K, stride_a, stride_b, stride_out,
                  a_k_start, b_k_start, out_start, accumulate, TRANS_OUT, G_RANGE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-                 UPCAST, PRECISION)
+                 PRECISION)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -246,17 +238,6 @@ class TileConfig(NamedTuple):
 # stages 33.2; 4096-chunks 42.9).
 DEFAULT_CONFIGS = {"fwd": TileConfig(flatten=True), "grad": TileConfig(128, 64),
                    "grad_symmetric": TileConfig(128, 64), "matmul": TileConfig(num_stages=4)}
-
-
-def _interpreting() -> bool:
-    return bool(knobs.runtime.interpret)
-
-
-def _loop_bound(n: int):
-    """A runtime loop bound as the kernel takes it. Triton 3.6's interpreter hands int arguments to
-    the kernel as 1-element arrays and NumPy >= 2.3 refuses ``int()`` of those, so ``range(0, N, B)``
-    fails there; a constexpr passes through unconverted. Compiled kernels get the plain int."""
-    return tl.constexpr(n) if _interpreting() else n
 
 
 def _block(n: int, cap: int) -> int:
@@ -313,13 +294,12 @@ def contrastive_lse_fwd(a, b, labels, lse, pos, scale: float, b_offset: int = 0,
     config = config or DEFAULT_CONFIGS["fwd"]
     block_m, block_n, block_k, warps = _tiles(config, M, N, a)
     _lse_fwd_kernel[(triton.cdiv(M, block_m),)](
-        a, b, lse, M, _loop_bound(N), _loop_bound(D), T.strides(a)[0], T.strides(b)[0], float(scale),
+        a, b, lse, M, N, D, T.strides(a)[0], T.strides(b)[0], float(scale),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, EVEN_D=D % block_k == 0,
-        UPCAST=_interpreting(), PRECISION=precision, FLATTEN=config.flatten, num_warps=warps,
-        num_stages=config.num_stages)
-    _positive_kernel[(triton.cdiv(M, 32),)](a, b, labels, pos, M, N, _loop_bound(D), T.strides(a)[0],
-                                            T.strides(b)[0], int(b_offset), float(scale), BLOCK_M=32,
-                                            BLOCK_D=_block(D, 128), num_warps=4)
+        PRECISION=precision, FLATTEN=config.flatten, num_warps=warps, num_stages=config.num_stages)
+    _positive_kernel[(triton.cdiv(M, 32),)](a, b, labels, pos, M, N, D, T.strides(a)[0], T.strides(b)[0],
+                                            int(b_offset), float(scale), BLOCK_M=32, BLOCK_D=_block(D, 128),
+                                            num_warps=4)
 
 
 def _g_range(g) -> float:
@@ -383,7 +363,7 @@ def contrastive_grad_accumulate(a, a_t, b, lse_a, lse_b, w_a, w_b, labels_a, lab
     lse_b, w_b, labels_b = (lse_b, w_b, labels_b) if col_term else (lse_a, w_a, labels_a)
     grad_config = grad_config or DEFAULT_CONFIGS["grad_symmetric" if row_term and col_term else "grad"]
     matmul_config = matmul_config or DEFAULT_CONFIGS["matmul"]
-    stride_g, g_range, upcast = T.strides(g_work)[0], _g_range(g_work), _interpreting()
+    stride_g, g_range = T.strides(g_work)[0], _g_range(g_work)
     for a0 in range(0, M, chunk_m):
         rows = min(chunk_m, M - a0)
         for b0 in range(0, N, chunk_n):
@@ -391,19 +371,19 @@ def contrastive_grad_accumulate(a, a_t, b, lse_a, lse_b, w_a, w_b, labels_a, lab
             block_m, block_n, block_k, warps = _tiles(grad_config, rows, cols, a)
             _grad_scores_kernel[(triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))](
                 a, b, lse_a, lse_b, w_a, w_b, labels_a, labels_b, w_max, g_work, a0, b0, rows, cols,
-                _loop_bound(D), T.strides(a)[0], T.strides(b)[0], stride_g, int(a_offset) + a0,
-                int(b_offset) + b0, float(scale), ROW_TERM=bool(row_term), COL_TERM=bool(col_term),
+                D, T.strides(a)[0], T.strides(b)[0], stride_g, int(a_offset) + a0, int(b_offset) + b0,
+                float(scale), ROW_TERM=bool(row_term), COL_TERM=bool(col_term),
                 G_RANGE=g_range, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_D=D % block_k == 0,
-                UPCAST=upcast, PRECISION=precision, num_warps=warps, num_stages=grad_config.num_stages)
+                PRECISION=precision, num_warps=warps, num_stages=grad_config.num_stages)
             # ua[a0:a0+rows] (+)= G @ b[b0:b0+cols];  ub[b0:b0+cols].T (+)= a_t[:, a0:a0+rows] @ G
             for x, y, out, m, n, k, x_start, y_start, out_start, acc, trans in (
                     (g_work, b, ua, rows, D, cols, 0, b0, a0, accumulate_a or b0 > 0, False),
                     (a_t, g_work, ub, D, cols, rows, a0, 0, b0, accumulate_b or a0 > 0, True)):
                 block_m, block_n, block_k, warps = _tiles(matmul_config, m, n, a)
                 _matmul_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)](
-                    x, y, out, w_max, m, n, _loop_bound(k), T.strides(x)[0], T.strides(y)[0], T.strides(out)[0],
+                    x, y, out, w_max, m, n, k, T.strides(x)[0], T.strides(y)[0], T.strides(out)[0],
                     x_start, y_start, out_start, int(acc), TRANS_OUT=trans, G_RANGE=g_range, BLOCK_M=block_m,
-                    BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, UPCAST=upcast, PRECISION=precision,
+                    BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION=precision,
                     num_warps=warps, num_stages=matmul_config.num_stages)
 
 

@@ -20,7 +20,9 @@ Elementwise ``act_fwd(pre, out)``, ``act_bwd(pre, dout, dpre)`` on contiguous te
 (the gated activations are ``gated_activation.py``'s kernels).
 
 Tuned for sm_90: 128x256 / 256x128 / 128x128 tiles, BLOCK_K 64, 8 warps, 3-4 stages, grouped
-program order for L2 reuse; autotuned per problem. The interpreter runs one small tile.
+program order for L2 reuse; autotuned per problem. Triton's interpreter (CPU suite) runs the same
+kernels with one small tile (``_TUNED_CONFIGS`` there is just that tile) and dot operands upcast to
+fp32 (``interpreter_compat.dot_operand``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import triton.language as tl
 
 from ...runtime import tensor as T
 from .gated_activation import _act_and_grad as _gated_act_and_grad
+from .interpreter_compat import INTERPRETING, dot_operand
 
 ACTIVATIONS = {"none": 0, "gelu_approx": 1, "gelu": 2, "relu": 3, "sqrelu": 4}
 _INV_SQRT2 = tl.constexpr(0.7071067811865476)
@@ -96,7 +99,7 @@ def _gemm_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K,
         if FP32_DOT:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(dot_operand(a), dot_operand(b), acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -127,20 +130,6 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K,
                FP32_DOT, RTNE_BITS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
-@triton.jit
-def _gemm_kernel_interpreter(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K: tl.constexpr,
-                             stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_pm,
-                             HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SAVE_PRE: tl.constexpr,
-                             ACT_GRAD: tl.constexpr, FP32_DOT: tl.constexpr, RTNE_BITS: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             GROUP_M: tl.constexpr):
-    # The interpreter (with numpy >= 2.3) cannot loop over range() of a runtime scalar, which it
-    # holds as a 1-element array: here K is a compile-time constant.
-    _gemm_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K, stride_am, stride_ak, stride_bk,
-               stride_bn, stride_cm, stride_pm, HAS_BIAS, ACTIVATION, SAVE_PRE, ACT_GRAD,
-               FP32_DOT, RTNE_BITS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
-
-
 def _prune_by_shared_memory(configs, named_args, **kwargs):
     """Drop tiles whose pipelined operand buffers exceed sm_90's 227 KB (fp32 inputs)."""
     itemsize = T.itemsize(named_args["a_ptr"])
@@ -149,21 +138,19 @@ def _prune_by_shared_memory(configs, named_args, **kwargs):
     return fit or configs[-1:]
 
 
-def _config(bm, bn, bk, warps, stages):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps,
+def _config(bm, bn, bk, warps, stages, group_m=8):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m}, num_warps=warps,
                          num_stages=stages)
 
 
-_TUNED_CONFIGS = [_config(128, 256, 64, 8, 3), _config(256, 128, 64, 8, 3), _config(128, 128, 64, 8, 4),
-                  _config(128, 128, 32, 4, 4)]
+if INTERPRETING:  # one small tile: the interpreter's time grows with the tile, not the problem
+    _TUNED_CONFIGS = [_config(16, 16, 16, 4, 1, group_m=2)]
+else:
+    _TUNED_CONFIGS = [_config(128, 256, 64, 8, 3), _config(256, 128, 64, 8, 3), _config(128, 128, 64, 8, 4),
+                      _config(128, 128, 32, 4, 4)]
 _gemm_tuned = triton.autotune(
     _TUNED_CONFIGS, key=["M", "N", "K", "HAS_BIAS", "ACTIVATION", "SAVE_PRE", "ACT_GRAD"],
     prune_configs_by={"early_config_prune": _prune_by_shared_memory})(_gemm_kernel)
-_INTERPRETER_TILE = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}
-
-
-def _interpreting() -> bool:
-    return bool(triton.knobs.runtime.interpret)
 
 
 def _matrix(name, t, rows, cols, dtype=None):
@@ -227,15 +214,10 @@ def gemm(a, b, c, bias=None, activation: str = "none", pre=None, act_grad: bool 
                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_pm)
     flags = dict(HAS_BIAS=bias is not None, ACTIVATION=ACTIVATIONS[activation],
                  SAVE_PRE=pre is not None and not act_grad, ACT_GRAD=act_grad,
-                 # IEEE fp32 dot for fp32 inputs (not tf32), and in the interpreter, whose numpy dot
-                 # mangles bf16: products of upcast 16-bit values are exact in fp32, so same result.
-                 FP32_DOT=dtype == "float32" or _interpreting(), RTNE_BITS=_interpreting())
-    if _interpreting():
-        grid = (triton.cdiv(M, 16) * triton.cdiv(N, 16),)
-        _gemm_kernel_interpreter[grid](*kernel_args, **flags, **_INTERPRETER_TILE)
-    else:
-        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-        _gemm_tuned[grid](*kernel_args, **flags)
+                 FP32_DOT=dtype == "float32",  # IEEE fp32 dot for fp32 inputs (not tf32)
+                 RTNE_BITS=bool(INTERPRETING))
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    _gemm_tuned[grid](*kernel_args, **flags)
 
 
 @triton.jit
@@ -258,20 +240,10 @@ def _column_sum_kernel(x_ptr, out_ptr, K, N, stride_k, stride_n, RTNE_BITS: tl.c
     _column_sum_block(x_ptr, out_ptr, K, N, stride_k, stride_n, RTNE_BITS, BLOCK_K, BLOCK_N)
 
 
-@triton.jit
-def _column_sum_kernel_interpreter(x_ptr, out_ptr, K: tl.constexpr, N, stride_k, stride_n, RTNE_BITS: tl.constexpr,
-                                   BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    _column_sum_block(x_ptr, out_ptr, K, N, stride_k, stride_n, RTNE_BITS, BLOCK_K, BLOCK_N)
-
-
 def _column_sum(x, out, K, N, stride_k, stride_n):
     """out[N] = column sums of the [K, N] matrix x (any strides)."""
-    if _interpreting():
-        _column_sum_kernel_interpreter[(triton.cdiv(N, 16),)](x, out, K, N, stride_k, stride_n, RTNE_BITS=True,
-                                                             BLOCK_K=16, BLOCK_N=16)
-    else:
-        _column_sum_kernel[(triton.cdiv(N, 128),)](x, out, K, N, stride_k, stride_n, RTNE_BITS=False, BLOCK_K=32,
-                                                   BLOCK_N=128, num_warps=8)
+    _column_sum_kernel[(triton.cdiv(N, 128),)](x, out, K, N, stride_k, stride_n, RTNE_BITS=bool(INTERPRETING),
+                                               BLOCK_K=32, BLOCK_N=128, num_warps=8)
 
 
 @triton.jit
@@ -303,7 +275,7 @@ def _elementwise(activation, tensors):
         T.check_same_shape(name, t, shape)
         T.check_contiguous(name, t)
     n = T.numel(tensors[0][1])
-    block = 256 if _interpreting() else _ELEMENTWISE_BLOCK
+    block = 256 if INTERPRETING else _ELEMENTWISE_BLOCK
     return n, (triton.cdiv(n, block),), block
 
 
@@ -311,7 +283,7 @@ def act_fwd(pre, out, activation: str) -> None:
     """out = act(pre), elementwise, contiguous tensors of one shape."""
     n, grid, block = _elementwise(activation, [("pre", pre), ("out", out)])
     if n:
-        _act_fwd_kernel[grid](pre, out, n, ACTIVATION=ACTIVATIONS[activation], RTNE_BITS=_interpreting(),
+        _act_fwd_kernel[grid](pre, out, n, ACTIVATION=ACTIVATIONS[activation], RTNE_BITS=bool(INTERPRETING),
                               BLOCK=block, num_warps=8)
 
 
@@ -319,7 +291,7 @@ def act_bwd(pre, dout, dpre, activation: str) -> None:
     """dpre = dout * act'(pre), elementwise, contiguous tensors of one shape."""
     n, grid, block = _elementwise(activation, [("pre", pre), ("dout", dout), ("dpre", dpre)])
     if n:
-        _act_bwd_kernel[grid](pre, dout, dpre, n, ACTIVATION=ACTIVATIONS[activation], RTNE_BITS=_interpreting(),
+        _act_bwd_kernel[grid](pre, dout, dpre, n, ACTIVATION=ACTIVATIONS[activation], RTNE_BITS=bool(INTERPRETING),
                               BLOCK=block, num_warps=8)
 
 

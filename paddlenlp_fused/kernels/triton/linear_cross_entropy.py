@@ -29,13 +29,13 @@ flagged, and the two gradient GEMMs skip flagged blocks. ``filter_eps=None`` is 
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import triton
 import triton.language as tl
 
 from ...runtime import tensor as T
+from .interpreter_compat import INTERPRETING, dot_operand
 
 NUM_SMS_GUESS = 132  # H100/H200; only shapes the forward's split count
 MAX_SPLITS = 48
@@ -61,17 +61,13 @@ class Tiles(NamedTuple):
     matmul: TileConfig
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
 def default_tiles(dtype: str) -> Tiles:
     """Fixed configs (no autotuning: predictable compile time). 16-bit inputs: the two kernels with
     a softmax epilogue take 128x128x64 tiles, 8 warps, 4 stages (no register spills on sm_90 per
     ptxas; 128x256 spills there); the plain dW / dh products take 128x256x64, 8 warps, 3 stages
     (144 KB of shared memory). fp32 runs on CUDA cores in IEEE precision, in small tiles. The
     interpreter takes small tiles for speed."""
-    if _interpreting():
+    if INTERPRETING:
         cfg = TileConfig(16, 32, 16, 4, 1, 1)
         return Tiles(cfg, cfg, cfg)
     if dtype == "float32":
@@ -86,26 +82,15 @@ def default_tiles(dtype: str) -> Tiles:
 
 
 @triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
-    # The interpreter computes 16-bit dots wrongly: it gets fp32 operands.
-    if INTERPRET:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
 def _tile_mm(a_ptr, b_ptr, rows, cols, K, stride_am, stride_ak, stride_bk, stride_bn,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             EVEN_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, K_TILES: tl.constexpr):
-    """acc[BLOCK_M, BLOCK_N] = A[rows, :K] @ B[:K, cols] in fp32; rows/cols already in range.
-    K_TILES: 0 (compiled: runtime trip count) or cdiv(K, BLOCK_K) (interpreter, see _loop_count)."""
+             EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    """acc[BLOCK_M, BLOCK_N] = A[rows, :K] @ B[:K, cols] in fp32; rows/cols already in range."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols.to(tl.int64)[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K_TILES if K_TILES else tl.cdiv(K, BLOCK_K)):
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
@@ -113,7 +98,7 @@ def _tile_mm(a_ptr, b_ptr, rows, cols, K, stride_am, stride_ak, stride_bk, strid
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = _dot(a, b, acc, PRECISION, INTERPRET)
+        acc = tl.dot(dot_operand(a), dot_operand(b), acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     return acc
@@ -156,12 +141,12 @@ def _fold_tile(h_ptr, w_ptr, bias_ptr, rows, labels, vt, m_i, l_i, tgt, total, V
                stride_ht, stride_hd, stride_wv, stride_wd, softcap,
                HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, NEED_SUM: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               EVEN_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, K_TILES: tl.constexpr):
+               EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
     """Folds vocabulary tile ``vt`` into the running (max, sum-exp, target logit, logit sum)."""
     offs_n = vt * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = offs_n % V
     acc = _tile_mm(h_ptr, w_ptr, rows, cols, D, stride_ht, stride_hd, stride_wd, stride_wv,
-                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, INTERPRET, K_TILES)
+                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
     s = _logits(acc, bias_ptr, cols, softcap, HAS_BIAS, SOFTCAP)
     in_vocab = (offs_n < V)[None, :]
     s_masked = tl.where(in_vocab, s, float("-inf"))
@@ -179,8 +164,7 @@ def _lse_partials_kernel(h_ptr, w_ptr, bias_ptr, labels_ptr, part_ptr,
                          stride_ht, stride_hd, stride_wv, stride_wd, stride_label, softcap,
                          HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, NEED_SUM: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                         INTERPRET: tl.constexpr, K_TILES: tl.constexpr, SPLIT_TILES: tl.constexpr):
+                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
     """Program (token block, vocabulary split): loops over the split's vocabulary tiles, folding each
     logit tile into (max, sum-exp, target logit, logit sum); writes part[4, n_split, n_tok]."""
     tblk, split = _grouped_pid(tl.program_id(0), n_tblk, n_split, GROUP_M)
@@ -192,19 +176,11 @@ def _lse_partials_kernel(h_ptr, w_ptr, bias_ptr, labels_ptr, part_ptr,
     tgt = tl.zeros([BLOCK_M], tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     vt_start = split * tiles_per_split
-    if SPLIT_TILES == 0:
-        for vt in range(vt_start, tl.minimum(vt_start + tiles_per_split, n_vtiles)):
-            m_i, l_i, tgt, total = _fold_tile(
-                h_ptr, w_ptr, bias_ptr, rows, labels, vt, m_i, l_i, tgt, total, V, D,
-                stride_ht, stride_hd, stride_wv, stride_wd, softcap, HAS_BIAS, SOFTCAP, NEED_SUM,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, INTERPRET, K_TILES)
-    else:  # interpreter: a constant trip count (see _loop_count)
-        for i in range(0, SPLIT_TILES):
-            if vt_start + i < n_vtiles:
-                m_i, l_i, tgt, total = _fold_tile(
-                    h_ptr, w_ptr, bias_ptr, rows, labels, vt_start + i, m_i, l_i, tgt, total, V, D,
-                    stride_ht, stride_hd, stride_wv, stride_wd, softcap, HAS_BIAS, SOFTCAP, NEED_SUM,
-                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, INTERPRET, K_TILES)
+    for vt in range(vt_start, tl.minimum(vt_start + tiles_per_split, n_vtiles)):
+        m_i, l_i, tgt, total = _fold_tile(
+            h_ptr, w_ptr, bias_ptr, rows, labels, vt, m_i, l_i, tgt, total, V, D,
+            stride_ht, stride_hd, stride_wv, stride_wd, softcap, HAS_BIAS, SOFTCAP, NEED_SUM,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
     plane = n_split * n_tok
     out = part_ptr + split * n_tok + offs_m
     keep = offs_m < n_tok
@@ -215,18 +191,18 @@ def _lse_partials_kernel(h_ptr, w_ptr, bias_ptr, labels_ptr, part_ptr,
 
 
 @triton.jit
-def _combine_kernel(part_ptr, stats_ptr, n_tok, n_split, BLOCK: tl.constexpr, N_SPLIT: tl.constexpr):
+def _combine_kernel(part_ptr, stats_ptr, n_tok, n_split, BLOCK: tl.constexpr):
     """stats[0] = lse, stats[1] = target logit, stats[2] = logit sum over this rank's vocabulary."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < n_tok
     plane = n_split * n_tok
     m = tl.full([BLOCK], float("-inf"), tl.float32)
-    for s in range(0, N_SPLIT if N_SPLIT else n_split):
+    for s in range(0, n_split):
         m = tl.maximum(m, tl.load(part_ptr + s * n_tok + offs, mask=keep, other=0.0))
     l_sum = tl.zeros([BLOCK], tl.float32)
     tgt = tl.zeros([BLOCK], tl.float32)
     total = tl.zeros([BLOCK], tl.float32)
-    for s in range(0, N_SPLIT if N_SPLIT else n_split):
+    for s in range(0, n_split):
         ptr = part_ptr + s * n_tok + offs
         m_s = tl.load(ptr, mask=keep, other=0.0)
         l_sum += tl.load(ptr + plane, mask=keep, other=0.0) * tl.exp(m_s - m)  # empty split: exp(-inf)
@@ -267,8 +243,7 @@ def _grad_logits_kernel(h_ptr, w_ptr, bias_ptr, labels_ptr, lse_ptr, coef_p_ptr,
                         softcap, label_smoothing, filter_eps,
                         HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                        INTERPRET: tl.constexpr, K_TILES: tl.constexpr):
+                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
     """G[t, j] for vocabulary rows chunk_start + j (j < chunk_len) of this rank:
     f'(a) * (coef_p[t] * exp(s - lse[t]) - coef_y[t] * ((1-eps) [label == v] + eps / V_total))."""
     num_m = tl.cdiv(n_tok, BLOCK_M)
@@ -279,7 +254,7 @@ def _grad_logits_kernel(h_ptr, w_ptr, bias_ptr, labels_ptr, lse_ptr, coef_p_ptr,
     rows = offs_m % n_tok
     cols = chunk_start + offs_n % chunk_len
     acc = _tile_mm(h_ptr, w_ptr, rows, cols, D, stride_ht, stride_hd, stride_wd, stride_wv,
-                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, INTERPRET, K_TILES)
+                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
     s = _logits(acc, bias_ptr, cols, softcap, HAS_BIAS, SOFTCAP)
     lse = tl.load(lse_ptr + rows)
     coef_p = tl.load(coef_p_ptr + rows)
@@ -311,8 +286,7 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, lo_ptr, scale_ptr, flag_ptr,
                    FLAG_ROWS: tl.constexpr, FLAG_COLS: tl.constexpr,
                    EPILOGUE: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, FILTER_MODE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                   INTERPRET: tl.constexpr, K_TILES: tl.constexpr):
+                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
     """C = scale * A @ B with fp32 accumulation, then by EPILOGUE:
     0 store C (cast); 1 C += (fp32 C); 2 compensated: hi (C, 16-bit) + lo (residual) += ..., and on
     the LAST call only hi = round(total) is stored. FIRST: the old C/lo are not read.
@@ -327,13 +301,13 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, lo_ptr, scale_ptr, flag_ptr,
     b_ptr += b_offset
     if FILTER_MODE == 0:
         acc = _tile_mm(a_ptr, b_ptr, offs_m % M, offs_n % N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, INTERPRET, K_TILES)
+                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + (offs_m % M).to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
         b_ptrs = b_ptr + offs_k[:, None] * stride_bk + (offs_n % N).to(tl.int64)[None, :] * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, K_TILES if K_TILES else tl.cdiv(K, BLOCK_K)):
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
             k0 = k * BLOCK_K
             if FILTER_MODE == 1:
                 flag = tl.load(flag_ptr + (pid_m * BLOCK_M // FLAG_ROWS) * stride_flag + k0 // FLAG_COLS)
@@ -344,7 +318,7 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, lo_ptr, scale_ptr, flag_ptr,
             if flag != 0:
                 a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
                 b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
-                acc = _dot(a, b, acc, PRECISION, INTERPRET)
+                acc = tl.dot(dot_operand(a), dot_operand(b), acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
     acc = acc * tl.load(scale_ptr)
@@ -422,20 +396,11 @@ def _problem(hidden, weight, labels, bias, transpose_y: bool) -> Problem:
     return Problem(n_tok, D, V, stride_ht, stride_hd, stride_wv, stride_wd, T.strides(labels)[0], dtype)
 
 
-def _loop_count(n: int) -> int:
-    """A loop trip count as a constexpr in the interpreter, 0 (= computed at run time) when compiled.
-    Triton 3.6's interpreter holds scalars (arguments and every assigned value) as 1-element arrays,
-    which numpy >= 2.4 refuses to turn into a ``range`` bound; so the kernels write
-    ``range(0, N if N else <runtime count>)`` with N from here (never through an assignment)."""
-    return n if _interpreting() else 0
-
-
 def _meta(p: Problem, cfg: TileConfig, K: int) -> dict:
     """Compile-time arguments shared by the GEMM kernels for a reduction of length K."""
-    return dict(PRECISION="ieee" if p.dtype == "float32" else "tf32", INTERPRET=_interpreting(),
+    return dict(PRECISION="ieee" if p.dtype == "float32" else "tf32",
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                EVEN_K=K % cfg.block_k == 0, K_TILES=_loop_count(triton.cdiv(K, cfg.block_k)),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                EVEN_K=K % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def forward_splits(n_tok: int, V: int, dtype: str = "bfloat16", tiles: Tiles | None = None) -> int:
@@ -485,11 +450,9 @@ def lse_forward(hidden, weight, labels, bias, partials, stats, *, transpose_y: b
         hidden, weight, bias if bias is not None else hidden, labels, partials,
         p.n_tok, p.V, p.D, vocab_start, n_tblk, n_split, per, n_vtiles,
         p.stride_ht, p.stride_hd, p.stride_wv, p.stride_wd, p.stride_label, float(softcap or 1.0),
-        HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, NEED_SUM=need_sum,
-        SPLIT_TILES=_loop_count(per), **_meta(p, cfg, p.D))
+        HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, NEED_SUM=need_sum, **_meta(p, cfg, p.D))
     block = 1024
-    _combine_kernel[(triton.cdiv(p.n_tok, block),)](partials, stats, p.n_tok, n_split, BLOCK=block,
-                                                     N_SPLIT=_loop_count(n_split))
+    _combine_kernel[(triton.cdiv(p.n_tok, block),)](partials, stats, p.n_tok, n_split, BLOCK=block)
 
 
 def token_loss(stats, labels, loss, *, vocab_total: int, ignore_index: int = -100,

@@ -23,8 +23,9 @@ tiles pid, pid + P, ..., keeps its dweight/dbias sums in fp32 registers and writ
 a second small kernel sums the P partial rows. Groups wider than one backward block (8192) are
 split into column slabs, whose row reductions a pre-pass computes (``rowstats``).
 
-Loops with run-time trip counts are ``while`` loops: Triton's interpreter (CPU CI) cannot take a
-run-time ``range`` bound under numpy >= 2.3.
+Loops with run-time trip counts are ``while`` loops, written when the interpreter could not take a
+run-time ``range`` bound; ``range`` works there now (numpy < 2.4) but compiles to different loops,
+so the switch waits for a GPU-verified run.
 """
 
 from __future__ import annotations

@@ -32,7 +32,6 @@ from typing import NamedTuple
 
 import triton
 import triton.language as tl
-from triton import knobs
 
 from ...runtime import tensor as T
 
@@ -385,13 +384,6 @@ def workspace_shape(batch: int, dim: int, dstate: int, plan: ScanPlan):
     return (batch, plan.seg_chunks, dstate, dim)
 
 
-def _loop_bound(n: int):
-    """A runtime loop bound as the kernel takes it: Triton 3.6's interpreter passes int arguments as
-    1-element arrays, which NumPy >= 2.3 refuses to ``int()`` in ``range``; a constexpr passes
-    through (compiled kernels get the plain int)."""
-    return tl.constexpr(n) if knobs.runtime.interpret else n
-
-
 def _bc_layout(name: str, t, batch: int, dim: int, dstate: int, seqlen: int):
     """(variable, groups, strides (b, g, d, n, l)) of B or C; a [b, n, l] tensor is one group."""
     dims, st = T.shape(t), T.strides(t)
@@ -491,7 +483,7 @@ def selective_scan_fwd(u, delta, A, B, C, out, D=None, z=None, delta_bias=None, 
     last_st = T.strides(last_state)[:2] if last_state is not None else (0, 0)
     _selective_scan_fwd_kernel[(triton.cdiv(dim, block_d), batch)](
         u, delta, A, B, C, D, z, delta_bias, out, states, last_state,
-        dim, seqlen, dstate, dim // groups, _loop_bound(plan.n_chunks), plan.seg_chunks,
+        dim, seqlen, dstate, dim // groups, plan.n_chunks, plan.seg_chunks,
         *T.strides(u), *T.strides(delta), *T.strides(A), *B_lay[2], *C_lay[2],
         *_strides3(z), *T.strides(out), *st_st, *last_st,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DELTA_BIAS=delta_bias is not None,
@@ -536,7 +528,7 @@ def selective_scan_bwd(u, delta, A, B, C, dout, states, workspace, du, ddelta, d
     _selective_scan_bwd_kernel[(triton.cdiv(dim, block_d), batch)](
         u, delta, A, B, C, D, z, delta_bias, dout, states, workspace,
         du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, out_z,
-        dim, seqlen, dstate, dim // groups, _loop_bound(plan.n_segments), _loop_bound(plan.seg_chunks),
+        dim, seqlen, dstate, dim // groups, plan.n_segments, plan.seg_chunks,
         *T.strides(u), *T.strides(delta), *T.strides(A), *B_lay[2], *C_lay[2],
         *_strides3(z), *T.strides(dout), *T.strides(states)[:3], *T.strides(workspace)[:3],
         *T.strides(du), *T.strides(ddelta), *_strides3(dz), *_strides3(out_z), *dB_lay[2], *dC_lay[2],
