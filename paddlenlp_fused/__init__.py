@@ -45,6 +45,7 @@ _EXPORTS = {
     "causal_conv1d_update": "ops.mamba",
     "selective_state_update": "ops.mamba",
     "mamba_inner_fn": "ops.mamba",
+    "swap_fused_layers": "integrations.paddlenlp",
 }
 
 lazy_exports(globals(), _EXPORTS)

@@ -1,0 +1,122 @@
+"""Train PaddleNLP's GPT on synthetic data, as is or with paddlenlp_fused swapped in.
+
+    python examples/train_gpt.py --steps 60             # tiny config, CPU, well under two minutes
+    python examples/train_gpt.py --no-fused --steps 60  # PaddleNLP's own layers
+    python examples/train_gpt.py --size base --device gpu
+
+Needs PaddleNLP (``pip install -e .[paddlenlp]``). With ``--fused`` the model's layers are replaced
+in place by ``paddlenlp_fused.integrations.paddlenlp.swap_fused_layers`` (its report is printed);
+the parameters, and so the state dict, stay PaddleNLP's. The data is the fixed random Markov chain
+of ``train_llama.py`` (loss floor = the chain's entropy). Writes a loss-curve PNG at the end.
+``train()`` here is shared with ``train_mamba.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from train_llama import markov_chain, sample_batch
+
+SIZES = {
+    "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, intermediate=256, seq=64, batch=8),
+    "base": dict(vocab=32000, hidden=1024, layers=12, heads=16, intermediate=4096, seq=1024, batch=8),
+}
+
+
+def build_gpt(cfg):
+    try:
+        from paddlenlp.transformers import GPTConfig, GPTForCausalLM
+    except ImportError as exc:
+        raise SystemExit(f"this example needs PaddleNLP (pip install -e .[paddlenlp]): {exc}")
+    config = GPTConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], num_hidden_layers=cfg["layers"],
+                       num_attention_heads=cfg["heads"], intermediate_size=cfg["intermediate"],
+                       max_position_embeddings=cfg["seq"], hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0)
+    return GPTForCausalLM(config)
+
+
+def _logits(output):
+    """PaddleNLP returns logits bare, in a tuple, or in an output object, depending on the model."""
+    if hasattr(output, "logits"):
+        return output.logits
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def train(name, sizes, build_model, argv=None, default_lr=3e-3):
+    """Parse the common flags, build ``build_model(sizes[size])``, swap in our layers under
+    ``--fused``, train on the Markov chain with a progress line and plot the loss curve."""
+    parser = argparse.ArgumentParser(description=f"Train PaddleNLP's {name} on synthetic data")
+    parser.add_argument("--size", choices=sorted(sizes), default="tiny")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--lr", type=float, default=default_lr)
+    parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", default=f"train_{name.lower()}_loss.png")
+    args = parser.parse_args(argv)
+
+    paddle.set_device(args.device)
+    paddle.seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    cfg = sizes[args.size]
+    model = build_model(cfg)
+    if args.fused:
+        from paddlenlp_fused.integrations.paddlenlp import swap_fused_layers
+
+        print(swap_fused_layers(model))
+    opt = paddle.optimizer.AdamW(args.lr, parameters=model.parameters(), weight_decay=0.0)
+    probs, entropy = markov_chain(cfg["vocab"], rng)
+    label = f"{'fused' if args.fused else 'plain'} {name} {args.size}"
+    print(f"{label}: {sum(int(np.prod(p.shape)) for p in model.parameters()) / 1e6:.2f}M parameters, "
+          f"loss floor (chain entropy) {entropy:.3f}, uniform {math.log(cfg['vocab']):.3f}")
+
+    losses, tokens_seen, start = [], 0, time.time()
+    for step in range(1, args.steps + 1):
+        inputs, labels = sample_batch(probs, cfg["batch"], cfg["seq"], rng)
+        logits = _logits(model(input_ids=inputs))
+        loss = F.cross_entropy(logits.astype("float32").reshape([-1, cfg["vocab"]]), labels.reshape([-1]))
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(loss))
+        tokens_seen += inputs.size
+        done = int(30 * step / args.steps)
+        sys.stdout.write(f"\r[{'#' * done}{'.' * (30 - done)}] step {step}/{args.steps} loss {losses[-1]:.4f} "
+                         f"{tokens_seen / (time.time() - start):,.0f} tok/s")
+        sys.stdout.flush()
+    print()
+    if not all(math.isfinite(v) for v in losses):
+        raise SystemExit("loss is not finite")
+    print(f"final loss {np.mean(losses[-5:]):.4f} (start {losses[0]:.4f}, floor {entropy:.3f}), "
+          f"{time.time() - start:.1f} s")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.figure(figsize=(5, 3.2))
+    plt.plot(losses, label=label)
+    plt.axhline(entropy, ls="--", c="gray", label="chain entropy")
+    plt.xlabel("step")
+    plt.ylabel("loss")
+    plt.legend()
+    plt.tight_layout()
+    plt.savefig(args.plot, dpi=110)
+    print(f"loss curve: {args.plot}")
+    return losses
+
+
+def main(argv=None):
+    return train("GPT", SIZES, build_gpt, argv)
+
+
+if __name__ == "__main__":
+    main()
