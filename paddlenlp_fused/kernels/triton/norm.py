@@ -412,14 +412,6 @@ def bwd_workspace_shapes(M: int, N: int, has_bias: bool, group_size=None, progra
 # launchers
 
 
-def _check_rows(name: str, t, M: int, N: int) -> None:
-    if t is None:
-        return
-    T.check_same_shape(name, t, (M, N))
-    if M and N > 1 and T.strides(t)[1] != 1:
-        raise ValueError(f"{name}: last axis must be contiguous, got strides {T.strides(t)}")
-
-
 def _check_vector(name: str, t, length: int) -> None:
     if t is None:
         return
@@ -452,8 +444,8 @@ def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None
     if (residual is not None or residual_out is not None) and ngroups != 1:
         raise ValueError("residual: not supported together with group_size < N")
     for name, t in (("y", y), ("residual", residual), ("residual_out", residual_out), ("z", z)):
-        _check_rows(name, t, M, N)
-    _check_rows("x", x, M, N)
+        T.check_rows(name, t, M, N)
+    T.check_rows("x", x, M, N)
     for name, t in (("weight", weight), ("bias", bias)):
         _check_vector(name, t, N)
     _check_stats(mean, rstd, M * ngroups, is_rms_norm)
@@ -484,7 +476,7 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dr
     G, ngroups = _groups(N, group_size)
     for name, t in (("h", h), ("dy", dy), ("dx", dx), ("dresidual_out", dresidual_out),
                     ("dresidual", dresidual), ("z", z), ("dz", dz)):
-        _check_rows(name, t, M, N)
+        T.check_rows(name, t, M, N)
     if (z is None) != (dz is None):
         raise ValueError("z and dz: give both or neither")
     for name, t in (("weight", weight), ("dweight", dweight), ("dbias", dbias)):
