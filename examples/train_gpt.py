@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
-import time
 
 import numpy as np
 import paddle
-import paddle.nn.functional as F
 
-from train_llama import markov_chain, sample_batch
+from train_llama import fit, markov_chain, plot_losses
 
 SIZES = {
     "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, intermediate=256, seq=64, batch=8),
@@ -77,40 +74,9 @@ def train(name, sizes, build_model, argv=None, default_lr=3e-3):
     print(f"{label}: {sum(int(np.prod(p.shape)) for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"loss floor (chain entropy) {entropy:.3f}, uniform {math.log(cfg['vocab']):.3f}")
 
-    losses, tokens_seen, start = [], 0, time.time()
-    for step in range(1, args.steps + 1):
-        inputs, labels = sample_batch(probs, cfg["batch"], cfg["seq"], rng)
-        logits = _logits(model(input_ids=inputs))
-        loss = F.cross_entropy(logits.astype("float32").reshape([-1, cfg["vocab"]]), labels.reshape([-1]))
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        losses.append(float(loss))
-        tokens_seen += inputs.size
-        done = int(30 * step / args.steps)
-        sys.stdout.write(f"\r[{'#' * done}{'.' * (30 - done)}] step {step}/{args.steps} loss {losses[-1]:.4f} "
-                         f"{tokens_seen / (time.time() - start):,.0f} tok/s")
-        sys.stdout.flush()
-    print()
-    if not all(math.isfinite(v) for v in losses):
-        raise SystemExit("loss is not finite")
-    print(f"final loss {np.mean(losses[-5:]):.4f} (start {losses[0]:.4f}, floor {entropy:.3f}), "
-          f"{time.time() - start:.1f} s")
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plt.figure(figsize=(5, 3.2))
-    plt.plot(losses, label=label)
-    plt.axhline(entropy, ls="--", c="gray", label="chain entropy")
-    plt.xlabel("step")
-    plt.ylabel("loss")
-    plt.legend()
-    plt.tight_layout()
-    plt.savefig(args.plot, dpi=110)
-    print(f"loss curve: {args.plot}")
+    losses = fit(model, opt, probs, cfg, args.steps, rng, logits_of=_logits)
+    print(f"final loss {np.mean(losses[-5:]):.4f} (start {losses[0]:.4f}, floor {entropy:.3f})")
+    plot_losses(losses, entropy, label, args.plot)
     return losses
 
 

@@ -110,6 +110,46 @@ def sample_batch(probs, batch, seq, rng):
     return paddle.to_tensor(tokens[:, :-1]), paddle.to_tensor(tokens[:, 1:])
 
 
+def fit(model, opt, probs, cfg, steps, rng, logits_of=lambda output: output):
+    """Train ``steps`` steps on batches of the chain with a progress line; returns the losses.
+    ``logits_of`` takes the logits out of whatever the model returns."""
+    losses, tokens_seen, start = [], 0, time.time()
+    for step in range(1, steps + 1):
+        inputs, labels = sample_batch(probs, cfg["batch"], cfg["seq"], rng)
+        logits = logits_of(model(inputs))
+        loss = F.cross_entropy(logits.astype("float32").reshape([-1, cfg["vocab"]]), labels.reshape([-1]))
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(loss))
+        tokens_seen += inputs.size
+        done = int(30 * step / steps)
+        sys.stdout.write(f"\r[{'#' * done}{'.' * (30 - done)}] step {step}/{steps} loss {losses[-1]:.4f} "
+                         f"{tokens_seen / (time.time() - start):,.0f} tok/s")
+        sys.stdout.flush()
+    print(f"\n{steps} steps in {time.time() - start:.1f} s")
+    if not all(math.isfinite(v) for v in losses):
+        raise SystemExit("loss is not finite")
+    return losses
+
+
+def plot_losses(losses, entropy, label, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.figure(figsize=(5, 3.2))
+    plt.plot(losses, label=label)
+    plt.axhline(entropy, ls="--", c="gray", label="chain entropy")
+    plt.xlabel("step")
+    plt.ylabel("loss")
+    plt.legend()
+    plt.tight_layout()
+    plt.savefig(path, dpi=110)
+    print(f"loss curve: {path}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -132,39 +172,9 @@ def main(argv=None):
           f"{sum(int(np.prod(p.shape)) for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"loss floor (chain entropy) {entropy:.3f}, uniform {math.log(cfg['vocab']):.3f}")
 
-    losses, tokens_seen, start = [], 0, time.time()
-    for step in range(1, args.steps + 1):
-        inputs, labels = sample_batch(probs, cfg["batch"], cfg["seq"], rng)
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.astype("float32").reshape([-1, cfg["vocab"]]), labels.reshape([-1]))
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        losses.append(float(loss))
-        tokens_seen += inputs.size
-        done = int(30 * step / args.steps)
-        sys.stdout.write(f"\r[{'#' * done}{'.' * (30 - done)}] step {step}/{args.steps} loss {losses[-1]:.4f} "
-                         f"{tokens_seen / (time.time() - start):,.0f} tok/s")
-        sys.stdout.flush()
-    print()
-    if not all(math.isfinite(v) for v in losses):
-        raise SystemExit("loss is not finite")
+    losses = fit(model, opt, probs, cfg, args.steps, rng)
     print(f"final loss {np.mean(losses[-5:]):.4f} (start {losses[0]:.4f}, floor {entropy:.3f})")
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plt.figure(figsize=(5, 3.2))
-    plt.plot(losses, label=f"{'fused' if args.fused else 'plain'} ({args.size})")
-    plt.axhline(entropy, ls="--", c="gray", label="chain entropy")
-    plt.xlabel("step")
-    plt.ylabel("loss")
-    plt.legend()
-    plt.tight_layout()
-    plt.savefig(args.plot, dpi=110)
-    print(f"loss curve: {args.plot}")
+    plot_losses(losses, entropy, f"{'fused' if args.fused else 'plain'} ({args.size})", args.plot)
     return losses
 
 
