@@ -46,6 +46,7 @@ _EXPORTS = {
     "selective_state_update": "ops.mamba",
     "mamba_inner_fn": "ops.mamba",
     "swap_fused_layers": "integrations.paddlenlp",
+    "mamba_chunk_scan_combined": "ops.ssd",
 }
 
 lazy_exports(globals(), _EXPORTS)

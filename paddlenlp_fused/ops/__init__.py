@@ -25,6 +25,7 @@ _EXPORTS = {
     "causal_conv1d_update": "mamba",
     "selective_state_update": "mamba",
     "mamba_inner_fn": "mamba",
+    "mamba_chunk_scan_combined": "ssd",
 }
 
 lazy_exports(globals(), _EXPORTS)

@@ -1,0 +1,218 @@
+"""Mamba-2 SSD: the chunked reference and ``mamba_chunk_scan_combined`` against token recurrences.
+
+The chunked algorithm (float32) is checked against the float64 token-by-token recurrence for values
+and the gradients of every input; the recurrence itself against a plain numpy loop written here.
+Shapes are tiny but odd: seqlen 19 with chunk 4 or 8 (a ragged last chunk), 4 heads in 1 or 2 groups."""
+
+import numpy as np
+import paddle
+import pytest
+
+from paddlenlp_fused.ops.ssd import mamba_chunk_scan_combined
+from paddlenlp_fused.reference.ssd import selective_state_update_multihead_ref, ssd_chunked_ref, ssd_recurrence_ref
+from paddlenlp_fused.runtime.backend import BackendUnavailableError
+from paddlenlp_fused.testing.numerics import assert_close
+from helpers import as_leaf64, randn, to64
+
+BATCH, SEQLEN, NHEADS, HEADDIM, DSTATE = 2, 19, 4, 3, 5
+GRAD_NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+
+
+def _leaf(shape, scale=1.0, dtype="float32"):
+    return randn(shape, dtype=dtype, scale=scale, requires_grad=True)
+
+
+def _inputs(ngroups=2, d_shape="heads", batch=BATCH, seqlen=SEQLEN, dtype="float32"):
+    A = paddle.to_tensor(-np.exp(np.random.randn(NHEADS) * 0.5).astype(np.float32))
+    A.stop_gradient = False
+    D_shape = (NHEADS,) if d_shape == "heads" else (NHEADS, HEADDIM)
+    return dict(x=_leaf((batch, seqlen, NHEADS, HEADDIM), dtype=dtype), dt=_leaf((batch, seqlen, NHEADS), 0.5, dtype),
+                A=A, B=_leaf((batch, seqlen, ngroups, DSTATE), dtype=dtype),
+                C=_leaf((batch, seqlen, ngroups, DSTATE), dtype=dtype), D=_leaf(D_shape),
+                z=_leaf((batch, seqlen, NHEADS, HEADDIM), dtype=dtype), dt_bias=_leaf((NHEADS,), 0.3),
+                initial_states=_leaf((batch, NHEADS, HEADDIM, DSTATE)))
+
+
+def _as64(a):
+    return {k: as_leaf64(v) for k, v in a.items()}
+
+
+def _numpy_recurrence(a, softplus, limit):
+    """Plain float64 loop, independent of paddlenlp_fused: (y, final state)."""
+    x, dt, A, B, C, D, z, bias, h = (to64(a[k]) for k in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias",
+                                                          "initial_states"))
+    dt = dt + bias
+    if softplus:
+        dt = np.where(dt > 20, dt, np.log1p(np.exp(dt)))
+    dt = np.clip(dt, *limit)
+    per_group = NHEADS // B.shape[2]
+    ys = np.zeros_like(x)
+    for t in range(x.shape[1]):
+        for hd in range(NHEADS):
+            g = hd // per_group
+            h[:, hd] = np.exp(dt[:, t, hd] * A[hd])[:, None, None] * h[:, hd] + \
+                (dt[:, t, hd, None] * x[:, t, hd])[:, :, None] * B[:, t, g, None, :]
+            ys[:, t, hd] = np.einsum("bpn,bn->bp", h[:, hd], C[:, t, g])
+    Dx = D[:, None] if D.ndim == 1 else D
+    return (ys + Dx * x) * z / (1 + np.exp(-z)), h
+
+
+def _check_grads(outs, ins, outs64, ins64, names, dtype="float32"):
+    """Gradients of <y, dy> + <final, dfinal> in both graphs agree for every name."""
+    cot = [randn(o.shape) for o in outs]
+    grads = paddle.grad(outs, [ins[n] for n in names], [c.astype(o.dtype) for c, o in zip(cot, outs)])
+    grads64 = paddle.grad(outs64, [ins64[n] for n in names], [paddle.to_tensor(to64(c)) for c in cot])
+    for n, g, g64 in zip(names, grads, grads64):
+        assert_close(f"d{n}", to64(g), g64.numpy(), dtype)
+
+
+@pytest.mark.parametrize("ngroups,d_shape,chunk,softplus,limit", [
+    (1, "heads", 4, False, (0.0, float("inf"))),
+    (2, "heads_headdim", 8, True, (0.0, float("inf"))),
+    (2, "heads", 4, True, (0.5, 1.0)),  # clips about a third of dt, on both sides
+])
+def test_chunked_equals_recurrence_values_and_grads(ngroups, d_shape, chunk, softplus, limit):
+    a = _inputs(ngroups, d_shape)
+    if not softplus:  # dt stays positive without softplus
+        a["dt"] = paddle.to_tensor(np.abs(a["dt"].numpy()) + 0.05, stop_gradient=False)
+        a["dt_bias"] = paddle.to_tensor(np.abs(a["dt_bias"].numpy()), stop_gradient=False)
+    y, final = ssd_chunked_ref(**a, chunk_size=chunk, dt_softplus=softplus, dt_limit=limit)
+    a64 = _as64(a)
+    y64, final64 = ssd_recurrence_ref(**a64, dt_softplus=softplus, dt_limit=limit)
+    assert y.dtype == paddle.float32 and final.dtype == paddle.float32
+    assert_close("y", y.numpy(), y64.numpy(), "float32")
+    assert_close("final_states", final.numpy(), final64.numpy(), "float32")
+    y_np, final_np = _numpy_recurrence(a, softplus, limit)
+    np.testing.assert_allclose(y64.numpy(), y_np, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(final64.numpy(), final_np, rtol=1e-10, atol=1e-10)
+    _check_grads([y, final], a, [y64, final64], a64, GRAD_NAMES)
+
+
+def test_op_matches_reference_and_optional_inputs():
+    a = _inputs(ngroups=1)
+    for drop in ((), ("D", "z", "dt_bias", "initial_states")):
+        kw = {k: v for k, v in a.items() if k not in drop}
+        y, final = mamba_chunk_scan_combined(**kw, chunk_size=8, dt_softplus=True, return_final_states=True,
+                                             backend="reference")
+        y64, final64 = ssd_recurrence_ref(**_as64(kw), dt_softplus=True)
+        assert_close("y", y.numpy(), y64.numpy(), "float32")
+        assert_close("final_states", final.numpy(), final64.numpy(), "float32")
+    only_y = mamba_chunk_scan_combined(**a, chunk_size=8, dt_softplus=True)  # auto: the reference on CPU
+    np.testing.assert_allclose(only_y.numpy(), ssd_chunked_ref(**a, chunk_size=8, dt_softplus=True)[0].numpy())
+
+
+def _packed(lengths, ngroups=2):
+    a = _inputs(ngroups, batch=1, seqlen=sum(lengths))
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    return a, bounds
+
+
+def test_varlen_cu_seqlens_equals_per_sequence_loop():
+    lengths = (7, 1, 9, 4)  # cross chunk (4) boundaries, one single-token sequence
+    a, bounds = _packed(lengths)
+    cu = paddle.to_tensor(bounds.astype(np.int32))
+    y, final, varlen = mamba_chunk_scan_combined(**a, chunk_size=4, cu_seqlens=cu, dt_softplus=True,
+                                                 return_final_states=True, return_varlen_states=True)
+    assert list(varlen.shape) == [len(lengths), NHEADS, HEADDIM, DSTATE]
+    a64 = _as64(a)
+    pieces, finals = [], []
+    for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):  # each sequence alone; only the first continues
+        piece = {k: (v[:, s:e] if v.ndim >= 3 and k != "initial_states" else v) for k, v in a64.items()
+                 if i == 0 or k != "initial_states"}
+        y_i, h_i = ssd_recurrence_ref(**piece, dt_softplus=True)
+        pieces.append(y_i)
+        finals.append(h_i[0])
+    y64, varlen64 = paddle.concat(pieces, axis=1), paddle.stack(finals)
+    assert_close("y", y.numpy(), y64.numpy(), "float32")
+    assert_close("varlen_states", varlen.numpy(), varlen64.numpy(), "float32")
+    assert_close("final_states", final.numpy(), finals[-1].numpy()[None], "float32")
+    _check_grads([y, varlen], a, [y64, varlen64], a64, GRAD_NAMES)
+
+
+def test_seq_idx_runs_and_states_at_match_recurrence():
+    a = _inputs(ngroups=1)
+    # any values: the state restarts wherever seq_idx changes (row 1 returns to an earlier value)
+    seq_idx = paddle.to_tensor(np.array([[0] * 5 + [1] * 9 + [2] * 5, [3] * 8 + [5] * 3 + [3] * 8], np.int64))
+    positions = [0, 4, 13, 18]
+    out = ssd_chunked_ref(**a, chunk_size=4, seq_idx=seq_idx, dt_softplus=True, states_at=positions)
+    a64 = _as64(a)
+    out64 = ssd_recurrence_ref(**a64, seq_idx=seq_idx, dt_softplus=True, states_at=positions)
+    for name, o, o64 in zip(("y", "final_states", "states_at"), out, out64):
+        assert_close(name, o.numpy(), o64.numpy(), "float32")
+    _check_grads(list(out), a, list(out64), a64, GRAD_NAMES)
+    op_y = mamba_chunk_scan_combined(**a, chunk_size=4, seq_idx=seq_idx.astype("int32"), dt_softplus=True)
+    np.testing.assert_allclose(op_y.numpy(), out[0].numpy(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("ngroups", [1, 2])
+def test_decoding_steps_continue_the_prefix(ngroups):
+    a = _inputs(ngroups, d_shape="heads_headdim")
+    prefix = 11
+    with paddle.no_grad():
+        y_full, final_full = mamba_chunk_scan_combined(**a, chunk_size=4, dt_softplus=True, return_final_states=True)
+        head = {k: (v[:, :prefix] if v.ndim >= 3 and k != "initial_states" else v) for k, v in a.items()}
+        _, state = mamba_chunk_scan_combined(**head, chunk_size=4, dt_softplus=True, return_final_states=True)
+        steps = []
+        for t in range(prefix, SEQLEN):
+            steps.append(selective_state_update_multihead_ref(
+                state, a["x"][:, t], a["dt"][:, t], a["A"], a["B"][:, t], a["C"][:, t], a["D"], a["z"][:, t],
+                a["dt_bias"], dt_softplus=True))
+    assert_close("decoded y", paddle.stack(steps, axis=1).numpy(), y_full[:, prefix:].numpy(), "float32")
+    assert_close("decoded state", state.numpy(), final_full.numpy(), "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_inputs_compute_in_float32(dtype):
+    a = _inputs(ngroups=2, dtype=dtype)
+    y, final = mamba_chunk_scan_combined(**a, chunk_size=8, dt_softplus=True, return_final_states=True)
+    assert y.dtype == a["x"].dtype and final.dtype == paddle.float32
+    a64 = _as64(a)  # the same (rounded) inputs in float64
+    y64, final64 = ssd_recurrence_ref(**a64, dt_softplus=True)
+    assert_close("y", to64(y), y64.numpy(), dtype)
+    assert_close("final_states", final.numpy(), final64.numpy(), "float32")
+    _check_grads([y], a, [y64], a64, ("x", "dt", "B", "C", "z"), dtype)
+
+
+def test_bad_input_raises_clear_errors():
+    a = {k: v for k, v in _inputs(ngroups=2).items()}
+
+    def call(**over):
+        kw = dict(a, chunk_size=4)
+        kw.update(over)
+        return mamba_chunk_scan_combined(**kw)
+
+    with pytest.raises(ValueError, match="x"):
+        call(x=randn((BATCH, SEQLEN, NHEADS)))
+    with pytest.raises(ValueError, match="dt"):
+        call(dt=randn((BATCH, SEQLEN - 1, NHEADS)))
+    with pytest.raises(ValueError, match="A"):
+        call(A=randn((NHEADS + 1,)))
+    with pytest.raises(ValueError, match="ngroups dividing"):
+        call(B=randn((BATCH, SEQLEN, 3, DSTATE)), C=randn((BATCH, SEQLEN, 3, DSTATE)))
+    with pytest.raises(ValueError, match="C"):
+        call(C=randn((BATCH, SEQLEN, 2, DSTATE + 1)))
+    with pytest.raises(ValueError, match="D"):
+        call(D=randn((HEADDIM,)))
+    with pytest.raises(ValueError, match="z"):
+        call(z=randn((BATCH, SEQLEN, NHEADS, HEADDIM + 1)))
+    with pytest.raises(ValueError, match="initial_states"):
+        call(initial_states=randn((BATCH, NHEADS, HEADDIM, DSTATE + 1)))
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="chunk_size"):
+            call(chunk_size=bad)
+    with pytest.raises(TypeError, match="seq_idx"):
+        call(seq_idx=randn((BATCH, SEQLEN)))
+    with pytest.raises(TypeError, match="x"):
+        call(x=paddle.ones([BATCH, SEQLEN, NHEADS, HEADDIM], dtype="int32"))
+    with pytest.raises(ValueError, match="dt_limit"):
+        call(dt_limit=(1.0, 0.5))
+    with pytest.raises(ValueError, match="cu_seqlens"):  # batch 2
+        call(cu_seqlens=paddle.to_tensor(np.array([0, 10, SEQLEN], np.int32)))
+    packed, bounds = _packed((7, 5))
+    for bad in ([0, 7, 11], [1, 7, 12], [0, 7, 7, 12], [0, 8, 6, 12]):
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            mamba_chunk_scan_combined(**packed, chunk_size=4, cu_seqlens=paddle.to_tensor(np.array(bad, np.int32)))
+    with pytest.raises(ValueError, match="return_varlen_states"):
+        mamba_chunk_scan_combined(**packed, chunk_size=4, return_varlen_states=True)
+    with pytest.raises(BackendUnavailableError, match="triton"):
+        call(backend="triton")
