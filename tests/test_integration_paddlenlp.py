@@ -15,7 +15,8 @@ import paddle  # noqa: E402
 from paddlenlp.transformers import (  # noqa: E402
     GPTConfig, GPTForCausalLM, LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM)
 
-from paddlenlp_fused.integrations.paddlenlp import FusedLlamaMLP, swap_fused_layers  # noqa: E402
+from paddlenlp_fused.integrations.paddlenlp import (  # noqa: E402
+    DeferredLogits, FusedCausalLMCriterion, FusedLlamaMLP, FusedLMHead, swap_fused_layers)
 from paddlenlp_fused.layers.mamba import MambaMixer  # noqa: E402
 from paddlenlp_fused.layers.norm import FusedLayerNorm, FusedRMSNorm  # noqa: E402
 from paddlenlp_fused.runtime.backend import use_backend  # noqa: E402
@@ -24,19 +25,21 @@ VOCAB, BATCH, SEQ = 128, 2, 16
 LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
 MODELS = {
-    "llama": (LlamaConfig, LlamaForCausalLM, LLAMA, {"rms_norm": 5, "llama_mlp": 2}),
+    "llama": (LlamaConfig, LlamaForCausalLM, LLAMA, {"rms_norm": 5, "llama_mlp": 2, "lm_head": 1, "criterion": 1}),
+    "llama_tied": (LlamaConfig, LlamaForCausalLM, dict(LLAMA, tie_word_embeddings=True),
+                   {"rms_norm": 5, "llama_mlp": 2, "lm_head": 1, "criterion": 1}),
     "llama_fused_ffn": (LlamaConfig, LlamaForCausalLM, dict(LLAMA, fuse_attention_ffn=True),
-                        {"rms_norm": 5, "llama_mlp": 2}),
+                        {"rms_norm": 5, "llama_mlp": 2, "lm_head": 1, "criterion": 1}),
     "gpt": (GPTConfig, GPTForCausalLM,
             dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
-            {"layer_norm": 5}),
+            {"layer_norm": 5, "lm_head": 1, "criterion": 1}),
     "mamba": (MambaConfig, MambaForCausalLM,
               dict(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, conv_kernel=4, expand=2),
               {"rms_norm": 3, "mamba_mixer": 2}),
 }
 NEW_CLASSES = {"rms_norm": FusedRMSNorm, "layer_norm": FusedLayerNorm, "llama_mlp": FusedLlamaMLP,
-               "mamba_mixer": MambaMixer}
+               "mamba_mixer": MambaMixer, "lm_head": FusedLMHead, "criterion": FusedCausalLMCriterion}
 # float32 bounds. The swapped model reorders a few float32 sums (fused norm / MLP / scan), so the
 # loss agrees to a few ulp and each gradient to ~1e-6 relative (measured <= 1e-6 on both backends).
 LOSS_ATOL = 1e-5
@@ -64,20 +67,30 @@ def _build(name, seed=0):
     return model_cls(config)
 
 
-def _pair(name):
+def _pair(name, **swap_options):
     """(original, swapped copy with the same weights, swap report)."""
     original, swapped = _build(name), _build(name, seed=1)
     swapped.set_state_dict(original.state_dict())
-    return original, swapped, swap_fused_layers(swapped)
+    return original, swapped, swap_fused_layers(swapped, **swap_options)
 
 
 def _batch(rng):
     return paddle.to_tensor(rng.integers(0, VOCAB, (BATCH, SEQ)).astype("int64"))
 
 
-def _loss(model, ids):
-    out = model(input_ids=ids, labels=ids)
+def _loss(model, ids, labels=None):
+    out = model(input_ids=ids, labels=ids if labels is None else labels)
     return out[0] if isinstance(out, tuple) else out.loss
+
+
+def _assert_same_grads(original, swapped):
+    ref, new = _grads(original), _grads(swapped)
+    assert ref.keys() == new.keys()
+    total = np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in ref.values()))
+    for key in ref:
+        assert np.isfinite(new[key]).all(), key
+        err = np.linalg.norm(new[key] - ref[key]) / max(np.linalg.norm(ref[key]), GRAD_FLOOR * total)
+        assert err <= GRAD_RTOL, (key, err)
 
 
 def _grads(model):
@@ -111,13 +124,7 @@ def test_loss_and_gradients_match_at_step0(name, backend, rng):
         loss_new.backward()
     assert np.isfinite(float(loss_new))
     assert abs(float(loss_new) - float(loss_ref)) <= LOSS_ATOL, (float(loss_new), float(loss_ref))
-    ref, new = _grads(original), _grads(swapped)
-    assert ref.keys() == new.keys()
-    total = np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in ref.values()))
-    for key in ref:
-        assert np.isfinite(new[key]).all(), key
-        err = np.linalg.norm(new[key] - ref[key]) / max(np.linalg.norm(ref[key]), GRAD_FLOOR * total)
-        assert err <= GRAD_RTOL, (key, err)
+    _assert_same_grads(original, swapped)
 
 
 def test_llama_fused_ffn_matches(rng):
@@ -148,8 +155,8 @@ def test_checkpoint_of_original_loads_into_swapped(name, rng, tmp_path):
         assert abs(float(_loss(swapped, ids)) - float(_loss(original, ids))) <= LOSS_ATOL
 
 
-@pytest.mark.parametrize("name,backend", [("llama", "reference"), ("gpt", "reference"), ("mamba", "reference"),
-                                          ("gpt", "triton")])
+@pytest.mark.parametrize("name,backend", [("llama", "reference"), ("llama_tied", "reference"), ("gpt", "reference"),
+                                          ("mamba", "reference"), ("gpt", "triton")])
 def test_twenty_adamw_steps_same_curve(name, backend, rng):
     original = _build(name)
     swapped = _build(name, seed=1)
@@ -179,11 +186,17 @@ def test_flags_and_tensor_parallel_are_reported():
     for layer in model.sublayers():
         if type(layer).__name__ == "LlamaMLP":
             layer.tensor_parallel_degree = 2  # as a model built with tensor_parallel_degree=2 records it
+    model.lm_head.config.tensor_parallel_degree = 2  # the head reads the model's config
     report = swap_fused_layers(model, norms=False)
     assert report.swapped == {}
     reasons = [why for _, why in report.skipped]
     assert sum("norms=False" in why for why in reasons) == 5
-    assert sum("tensor_parallel_degree > 1" in why for why in reasons) == 2
+    assert sum("tensor_parallel_degree > 1" in why for why in reasons) == 3
+    assert ("lm_head", reasons[0]) == report.skipped[0] and "vocabulary-parallel" in reasons[0]
+    assert type(model.lm_head).__name__ == "LlamaLMHead"
+    model.lm_head.config.tensor_parallel_degree = 1
+    report = swap_fused_layers(model, norms=False, mlp=False, lm_head=False)
+    assert report.swapped == {} and ("lm_head", "lm_head=False") in report.skipped
     assert "tensor_parallel_degree > 1" in str(report)
     with pytest.raises(TypeError, match="model"):
         swap_fused_layers(object())
@@ -214,3 +227,80 @@ def test_mamba_cached_decoding_matches(rng):
             logits.append((first.logits.numpy(), second.logits.numpy()))
     for ref, new in zip(logits[0], logits[1]):
         assert np.linalg.norm(new - ref) / np.linalg.norm(ref) <= GRAD_RTOL  # same float32 bound as gradients
+
+
+# --- LM head + criterion -> linear_cross_entropy (the rest of the model left as is, to isolate it)
+
+LM_HEAD_ONLY = dict(norms=False, mlp=False)
+
+
+def _ignore_index(model):
+    return getattr(model.config, "ignore_index", -100)  # GPT's config default is 0, LLaMA's criterion -100
+
+
+def _labels_with_ignored(rng, ignore_index):
+    """Random labels, about a quarter of them ``ignore_index`` (never 0 elsewhere: GPT ignores 0)."""
+    labels = rng.integers(1, VOCAB, (BATCH, SEQ))
+    labels[rng.random((BATCH, SEQ)) < 0.25] = ignore_index
+    labels[0, 0] = ignore_index
+    return paddle.to_tensor(labels.astype("int64"))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "gpt"])
+def test_lm_head_loss_and_gradients_match_with_ignored_tokens(name, backend, rng):
+    original, swapped, report = _pair(name, **LM_HEAD_ONLY)
+    assert report.swapped == {"lm_head": 1, "criterion": 1}, str(report)
+    if name != "llama":  # tied: the head still owns the embedding Parameter itself
+        embedding = swapped.gpt.embeddings.word_embeddings if name == "gpt" else swapped.llama.embed_tokens
+        assert swapped.lm_head.weight is embedding.weight and swapped.lm_head.transpose_y
+    ids = _batch(rng)
+    labels = _labels_with_ignored(rng, _ignore_index(original))
+    with use_backend(backend):
+        loss_ref, loss_new = _loss(original, ids, labels), _loss(swapped, ids, labels)
+        loss_ref.backward()
+        loss_new.backward()
+    assert abs(float(loss_new) - float(loss_ref)) <= LOSS_ATOL, (float(loss_new), float(loss_ref))
+    _assert_same_grads(original, swapped)
+    # The ignored tokens really drop out: only the valid ones' mean is left.
+    with use_backend(backend), paddle.no_grad():
+        valid = labels.numpy() != _ignore_index(original)
+        logits = original(input_ids=ids, return_dict=True).logits.numpy().astype(np.float64)
+        lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+        picked = np.take_along_axis(logits, np.where(valid, labels.numpy(), 0)[..., None], -1)[..., 0]
+        assert abs(float(loss_new) - float((lse - picked)[valid].mean())) <= LOSS_ATOL
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "gpt"])
+def test_lm_head_without_labels_returns_identical_logits(name, rng):
+    original, swapped, _ = _pair(name, **LM_HEAD_ONLY)
+    ids = _batch(rng)
+    with paddle.no_grad():
+        for return_dict in (False, True):
+            ref, new = (model(input_ids=ids, return_dict=return_dict) for model in (original, swapped))
+            ref, new = (out.logits if return_dict else out[0] if isinstance(out, tuple) else out
+                        for out in (ref, new))
+            assert isinstance(new, paddle.Tensor)
+            np.testing.assert_array_equal(new.numpy(), ref.numpy())
+        # With labels the logits are never built: None in their place, the loss first, as before.
+        out = swapped(input_ids=ids, labels=ids, return_dict=True)
+        assert out.logits is None and out.loss is not None and out[0] is out.loss
+        tup = swapped(input_ids=ids, labels=ids)
+        assert tup[1] is None
+        # ... and the next unlabelled call gets real logits again.
+        assert isinstance(swapped(input_ids=ids, return_dict=True).logits, paddle.Tensor)
+    assert list(swapped.state_dict().keys()) == list(original.state_dict().keys())
+
+
+def test_gpt_criterion_loss_mask_and_fallback(rng):
+    """GPT's criterion takes an optional float loss_mask; real logits still go through the original."""
+    model = _build("gpt")
+    criterion = FusedCausalLMCriterion(model.criterion, backend="reference")
+    hidden = paddle.to_tensor(rng.standard_normal((BATCH, SEQ, 32)).astype("float32"))
+    labels = _labels_with_ignored(rng, 0)
+    mask = paddle.to_tensor((rng.random(BATCH * SEQ) < 0.7).astype("float32"))  # flat, as GPT's criterion wants
+    weight = model.lm_head.weight
+    logits = paddle.matmul(hidden, weight, transpose_y=True)
+    ref = model.criterion(logits, labels, mask)
+    assert abs(float(criterion(DeferredLogits(hidden, weight, True), labels, mask)) - float(ref)) <= LOSS_ATOL
+    assert float(criterion(logits, labels, mask)) == float(ref)
