@@ -47,6 +47,10 @@ _EXPORTS = {
     "mamba_inner_fn": "ops.mamba",
     "swap_fused_layers": "integrations.paddlenlp",
     "mamba_chunk_scan_combined": "ops.ssd",
+    "Mamba2Block": "layers.mamba2",
+    "Mamba2InferenceParams": "layers.mamba2",
+    "mamba_split_conv1d_scan_combined": "ops.mamba2",
+    "mamba2_state_update": "ops.mamba2",
 }
 
 lazy_exports(globals(), _EXPORTS)

@@ -26,6 +26,8 @@ _EXPORTS = {
     "selective_state_update": "mamba",
     "mamba_inner_fn": "mamba",
     "mamba_chunk_scan_combined": "ssd",
+    "mamba_split_conv1d_scan_combined": "mamba2",
+    "mamba2_state_update": "mamba2",
 }
 
 lazy_exports(globals(), _EXPORTS)
