@@ -13,13 +13,12 @@ of ``train_llama.py`` (loss floor = the chain's entropy). Writes a loss-curve PN
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import numpy as np
 import paddle
 
-from train_llama import fit, markov_chain, plot_losses
+from train_llama import example_args, fit, markov_chain, plot_losses
 
 SIZES = {
     "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, intermediate=256, seq=64, batch=8),
@@ -49,18 +48,8 @@ def _logits(output):
 def train(name, sizes, build_model, argv=None, default_lr=3e-3):
     """Parse the common flags, build ``build_model(sizes[size])``, swap in our layers under
     ``--fused``, train on the Markov chain with a progress line and plot the loss curve."""
-    parser = argparse.ArgumentParser(description=f"Train PaddleNLP's {name} on synthetic data")
-    parser.add_argument("--size", choices=sorted(sizes), default="tiny")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--lr", type=float, default=default_lr)
-    parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default=f"train_{name.lower()}_loss.png")
-    args = parser.parse_args(argv)
-
-    paddle.set_device(args.device)
-    paddle.seed(args.seed)
+    args = example_args(f"Train PaddleNLP's {name} on synthetic data", sizes, f"train_{name.lower()}_loss.png",
+                        argv, default_lr=default_lr)
     rng = np.random.default_rng(args.seed)
     cfg = sizes[args.size]
     model = build_model(cfg)

@@ -150,19 +150,24 @@ def plot_losses(losses, entropy, label, path):
     print(f"loss curve: {path}")
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+def example_args(description, sizes, plot, argv=None, default_lr=3e-3):
+    """The flags every example takes; sets Paddle's device and seed from them."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--size", choices=sorted(sizes), default="tiny")
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=default_lr)
     parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default="train_llama_loss.png")
+    parser.add_argument("--plot", default=plot)
     args = parser.parse_args(argv)
-
     paddle.set_device(args.device)
     paddle.seed(args.seed)
+    return args
+
+
+def main(argv=None):
+    args = example_args(__doc__.splitlines()[0], SIZES, "train_llama_loss.png", argv)
     rng = np.random.default_rng(args.seed)
     cfg = SIZES[args.size]
     model = TinyLlama(cfg, args.fused)

@@ -14,7 +14,6 @@ TRITON_INTERPRET both run the reference ops (the interpreter makes the tiny run 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 
@@ -24,7 +23,7 @@ import paddle.nn as nn
 
 import paddlenlp_fused
 from paddlenlp_fused.layers.mamba2 import Mamba2Block
-from train_llama import RMSNorm, fit, markov_chain, plot_losses
+from train_llama import RMSNorm, example_args, fit, markov_chain, plot_losses
 
 SIZES = {
     "tiny": dict(vocab=256, hidden=64, layers=2, state=16, headdim=16, chunk=16, seq=64, batch=8),
@@ -51,18 +50,7 @@ class TinyMamba2(nn.Layer):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default="train_mamba2_loss.png")
-    args = parser.parse_args(argv)
-
-    paddle.set_device(args.device)
-    paddle.seed(args.seed)
+    args = example_args(__doc__.splitlines()[0], SIZES, "train_mamba2_loss.png", argv)
     np.random.seed(args.seed)  # Mamba2Block draws dt_bias and A_log with numpy
     rng = np.random.default_rng(args.seed)
     cfg = SIZES[args.size]
