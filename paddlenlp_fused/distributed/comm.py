@@ -171,44 +171,42 @@ class _ReduceScatterSequence(PyLayer):
         return _all_gather(dy, ctx.pg, 0)
 
 
-def copy_to_parallel(x, group=None):
+def _apply(layer, x, group, *args):
+    """``layer`` over ``x`` on ``group``; ``x`` itself when there is no group or one rank."""
     pg = as_parallel_group(group)
-    return x if pg is None else _CopyToParallel.apply(x, pg)
+    return x if pg is None else layer.apply(x, pg, *args)
+
+
+def copy_to_parallel(x, group=None):
+    return _apply(_CopyToParallel, x, group)
 
 
 def reduce_from_parallel(x, group=None):
-    pg = as_parallel_group(group)
-    return x if pg is None else _ReduceFromParallel.apply(x, pg)
+    return _apply(_ReduceFromParallel, x, group)
 
 
 def split_last_axis(x, group=None):
-    pg = as_parallel_group(group)
-    return x if pg is None else _SplitAxis.apply(x, pg, x.ndim - 1)
+    return _apply(_SplitAxis, x, group, x.ndim - 1)
 
 
 def gather_last_axis(x, group=None):
-    pg = as_parallel_group(group)
-    return x if pg is None else _GatherAxis.apply(x, pg, x.ndim - 1)
+    return _apply(_GatherAxis, x, group, x.ndim - 1)
 
 
 def scatter_sequence(x, group=None):
-    pg = as_parallel_group(group)
-    return x if pg is None else _SplitAxis.apply(x, pg, 0)
+    return _apply(_SplitAxis, x, group, 0)
 
 
 def gather_sequence(x, group=None):
-    pg = as_parallel_group(group)
-    return x if pg is None else _GatherAxis.apply(x, pg, 0)
+    return _apply(_GatherAxis, x, group, 0)
 
 
 def all_gather_sequence(x, group=None):
-    pg = as_parallel_group(group)
-    return x if pg is None else _AllGatherSequence.apply(x, pg)
+    return _apply(_AllGatherSequence, x, group)
 
 
 def reduce_scatter_sequence(x, group=None):
-    pg = as_parallel_group(group)
-    return x if pg is None else _ReduceScatterSequence.apply(x, pg)
+    return _apply(_ReduceScatterSequence, x, group)
 
 
 def broadcast_from_src(t, group=None):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import paddle.nn as nn
 
-from ..ops.fused_dense import ACTIVATIONS, GATED, fused_dense_func, fused_mlp_func
+from ..ops.fused_dense import GATED, check_mlp_options, fused_dense_func, fused_mlp_func
 
 
 class FusedDense(nn.Linear):
@@ -36,10 +36,7 @@ class FusedMLP(nn.Layer):
                  return_residual: bool = False, checkpoint_lvl: int = 0, heuristic="auto", weight_attr=None,
                  backend: str = "auto"):
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation: expected one of {list(ACTIVATIONS)}, got {activation!r}")
-        if checkpoint_lvl not in (0, 1, 2):
-            raise ValueError(f"checkpoint_lvl: expected 0, 1 or 2, got {checkpoint_lvl!r}")
+        check_mlp_options(activation, checkpoint_lvl)
         hidden_features = hidden_features or 4 * in_features
         out_features = out_features or in_features
         width1 = 2 * hidden_features if activation in GATED else hidden_features

@@ -29,7 +29,7 @@ import paddle.distributed as dist
 import paddle.nn as nn
 
 from ..distributed import comm
-from ..ops.fused_dense import ACTIVATIONS, GATED, fused_dense_func, fused_mlp_func
+from ..ops.fused_dense import GATED, check_mlp_options, fused_dense_func, fused_mlp_func
 
 
 def _model_parallel(mp_group):
@@ -158,10 +158,7 @@ class ParallelFusedMLP(nn.Layer):
                  bias1=True, bias2=True, sequence_parallel=False, checkpoint_lvl=0, heuristic="auto",
                  weight_attr=None, mp_group=None, backend="auto"):
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation: expected one of {list(ACTIVATIONS)}, got {activation!r}")
-        if checkpoint_lvl not in (0, 1, 2):
-            raise ValueError(f"checkpoint_lvl: expected 0, 1 or 2, got {checkpoint_lvl!r}")
+        check_mlp_options(activation, checkpoint_lvl)
         hidden_features = hidden_features or 4 * in_features
         out_features = out_features or in_features
         self.pg = _model_parallel(mp_group)

@@ -434,6 +434,15 @@ def fused_dense_func(x: paddle.Tensor, weight: paddle.Tensor, bias: Optional[pad
     return (out, x) if return_residual else out
 
 
+def check_mlp_options(activation: str, checkpoint_lvl: int) -> None:
+    """The MLP's activation and checkpoint level are ones we implement (also checked by the layers
+    when they are built)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {list(ACTIVATIONS)}, got {activation!r}")
+    if checkpoint_lvl not in CHECKPOINT_LEVELS:
+        raise ValueError(f"checkpoint_lvl: expected 0, 1 or 2, got {checkpoint_lvl!r}")
+
+
 def fused_mlp_func(x: paddle.Tensor, weight1: paddle.Tensor, weight2: paddle.Tensor,
                    bias1: Optional[paddle.Tensor] = None, bias2: Optional[paddle.Tensor] = None,
                    activation: str = "gelu_approx", checkpoint_lvl: int = 0, heuristic="auto",
@@ -443,10 +452,7 @@ def fused_mlp_func(x: paddle.Tensor, weight1: paddle.Tensor, weight2: paddle.Ten
     module docstring for the policy); hidden' = 2 * hidden for swiglu / geglu. With
     ``return_residual`` returns (out, x)."""
     check_tensor("x", x)
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {list(ACTIVATIONS)}, got {activation!r}")
-    if checkpoint_lvl not in CHECKPOINT_LEVELS:
-        raise ValueError(f"checkpoint_lvl: expected 0, 1 or 2, got {checkpoint_lvl!r}")
+    check_mlp_options(activation, checkpoint_lvl)
     heuristic_index = _resolve_heuristic(heuristic)
     _check_weight("weight1", weight1, x.shape[-1], x.dtype, "x's last axis = in")
     _check_weight("weight2", weight2, None, x.dtype, "[hidden, out]")
