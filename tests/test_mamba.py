@@ -14,8 +14,8 @@ import pytest
 from paddlenlp_fused.kernels.triton import causal_conv1d as conv_kernels
 from paddlenlp_fused.kernels.triton import selective_scan as scan_kernels
 from paddlenlp_fused.layers.mamba import MambaInferenceCache, MambaMixer
-from paddlenlp_fused.ops.mamba import causal_conv1d_fn, causal_conv1d_update, mamba_inner_fn, selective_scan_fn, \
-    selective_state_update
+from paddlenlp_fused.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from paddlenlp_fused.ops.mamba import mamba_inner_fn, selective_scan_fn, selective_state_update
 from paddlenlp_fused.runtime.backend import BackendUnavailableError
 from paddlenlp_fused.runtime.triton_paddle import triton_args
 from paddlenlp_fused.testing.numerics import assert_close

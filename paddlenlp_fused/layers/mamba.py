@@ -29,8 +29,8 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from ..ops.mamba import causal_conv1d_fn, causal_conv1d_update, mamba_inner_fn, selective_scan_fn, \
-    selective_state_update
+from ..ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from ..ops.mamba import mamba_inner_fn, selective_scan_fn, selective_state_update
 
 
 class MambaInferenceCache:

@@ -26,7 +26,7 @@ import numpy as np
 import paddle
 from paddle import nn
 
-from ..ops.mamba import causal_conv1d_update
+from ..ops.causal_conv1d import causal_conv1d_update
 from ..ops.mamba2 import mamba2_state_update, mamba_split_conv1d_scan_combined
 from ..ops.ssd import cu_seqlens_to_seq_idx
 from .norm import GatedRMSNorm

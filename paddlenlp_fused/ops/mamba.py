@@ -1,19 +1,14 @@
-"""Mamba-1 ops: selective scan, causal conv1d, their decoding steps, and the fused inner block.
+"""Mamba-1 ops: selective scan, its decoding step, and the fused inner block.
 
-Signatures follow ``mamba_ssm`` / ``causal_conv1d`` as a superset (plus ``backend=``):
+Signatures follow ``mamba_ssm`` as a superset (plus ``backend=``); the causal conv lives in
+``ops/causal_conv1d.py``:
 
 * ``selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
   return_last_state=False)``: u, delta, z ``[batch, dim, seqlen]``; A ``[dim, dstate]`` (complex A on
   the reference backend only); B, C ``[dim, dstate]``, ``[batch, dstate, seqlen]`` or
   ``[batch, groups, dstate, seqlen]``; D, delta_bias ``[dim]``. Returns ``y * silu(z)`` (or y) in u's
   dtype, and with ``return_last_state`` the final state ``[batch, dim, dstate]`` (float32, no gradient).
-* ``causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None,
-  return_final_states=False, final_states_out=None, activation=None)``: x ``[batch, dim, seqlen]``,
-  weight ``[dim, width]`` (or Conv1D's ``[dim, 1, width]``), any width; activation None, "silu" or
-  "swish"; ``seq_idx`` ``[batch, seqlen]`` resets the conv at sequence boundaries of a packed batch;
-  ``initial_states`` / final states ``[batch, dim, width - 1]``.
-* ``causal_conv1d_update`` / ``selective_state_update``: one decoding step, state updated in place
-  (no autograd).
+* ``selective_state_update``: one decoding step, state updated in place (no autograd).
 * ``mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight,
   out_proj_weight, out_proj_bias, A, B=None, C=None, D=None, delta_bias=None, B_proj_bias=None,
   C_proj_bias=None, delta_softplus=True, checkpoint_lvl=1, is_paddle_linear=True)``: conv,
@@ -21,9 +16,8 @@ Signatures follow ``mamba_ssm`` / ``causal_conv1d`` as a superset (plus ``backen
   output and delta in backward instead of saving them. ``is_paddle_linear``: the projection weights
   are Paddle ``Linear`` weights ``[in, out]`` (else torch's ``[out, in]``).
 
-Backends: ``triton`` (the kernels of ``kernels/triton/{selective_scan,causal_conv1d}.py`` inside
-PyLayers; matmuls by Paddle) and ``reference`` (pure Paddle, float32). A ``cuda`` backend is not
-implemented yet: asking for it raises ``BackendUnavailableError``.
+Backends: ``triton`` (the kernels of ``kernels/triton/selective_scan.py`` inside PyLayers; matmuls
+by Paddle) and ``reference`` (pure Paddle, float32). A ``cuda`` backend is not implemented yet: asking for it raises ``BackendUnavailableError``.
 """
 
 from __future__ import annotations
@@ -31,51 +25,22 @@ from __future__ import annotations
 import paddle
 from paddle.autograd import PyLayer
 
-from ..kernels.triton import causal_conv1d as conv_kernels
 from ..kernels.triton import selective_scan as scan_kernels
 from ..reference import mamba as ref
 from ..runtime import tensor as T
 from ..runtime.backend import resolve_backend
 from ..runtime.triton_paddle import triton_args
 from ._checks import check_tensor, contiguous, device_of
+from ._pylayer import cast_like, check_shape, empty_on, grads_for, needs_grad, run_in_place, zeros32_on
+from .causal_conv1d import conv_launch_bwd, conv_launch_fwd, conv_weight
 
 IMPLEMENTED = ("triton", "reference")
-CONV_ACTIVATIONS = (None, "silu", "swish")
 _COMPLEX = (paddle.complex64, paddle.complex128)
 _INT_DTYPES = ("int32", "int64")
 
 
-def _grads(ctx, grads):
-    """Paddle wants None for every tensor input that does not require a gradient."""
-    return tuple(g if needed else None for g, needed in zip(grads, ctx.needs_grad))
-
-
-def _needs_grad(*tensors):
-    return [not t.stop_gradient for t in tensors if t is not None]
-
-
-def _empty(shape, dtype, like):
-    return paddle.empty(list(shape), dtype=dtype, device=like.place)
-
-
-def _zeros32(shape, like):
-    return paddle.zeros(list(shape), dtype="float32", device=like.place)
-
-
-def _as(t, like):
-    """t cast to like's dtype (accumulators back to their input's dtype); None without like."""
-    if t is None or like is None:
-        return None
-    return t if t.dtype == like.dtype else t.astype(like.dtype)
-
-
 # ----------------------------------------------------------------------------------------------
 # argument checks
-
-
-def _check_shape(name, t, expected):
-    if list(t.shape) != list(expected):
-        raise ValueError(f"{name}: expected shape {list(expected)}, got {list(t.shape)}")
 
 
 def _check_bc(name, t, batch, dim, dstate, seqlen, complex_A):
@@ -96,7 +61,7 @@ def _check_scan_args(u, delta, A, B, C, D, z, delta_bias):
         raise ValueError(f"u: expected [batch, dim, seqlen], got shape {list(u.shape)}")
     batch, dim, seqlen = u.shape
     check_tensor("delta", delta)
-    _check_shape("delta", delta, u.shape)
+    check_shape("delta", delta, u.shape)
     check_tensor("A", A, float_dtypes=None)
     if A.ndim != 2 or A.shape[0] != dim:
         raise ValueError(f"A: expected [dim={dim}, dstate], got shape {list(A.shape)}")
@@ -111,48 +76,11 @@ def _check_scan_args(u, delta, A, B, C, D, z, delta_bias):
     for name, t in (("D", D), ("delta_bias", delta_bias)):
         if t is not None:
             check_tensor(name, t)
-            _check_shape(name, t, [dim])
+            check_shape(name, t, [dim])
     if z is not None:
         check_tensor("z", z)
-        _check_shape("z", z, u.shape)
+        check_shape("z", z, u.shape)
     return complex_A
-
-
-def _conv_weight(weight, dim=None):
-    """A [dim, width] view of weight ([dim, width] or Conv1D's [dim, 1, width])."""
-    check_tensor("weight", weight)
-    if weight.ndim == 3 and weight.shape[1] == 1:
-        weight = weight.reshape([weight.shape[0], weight.shape[2]])
-    if weight.ndim != 2 or (dim is not None and weight.shape[0] != dim) or weight.shape[1] < 1:
-        raise ValueError(f"weight: expected [dim={dim}, width >= 1] (or [dim, 1, width]), got {list(weight.shape)}")
-    return weight
-
-
-def _check_activation(activation):
-    if activation not in CONV_ACTIVATIONS:
-        raise ValueError(f"activation: expected None, 'silu' or 'swish', got {activation!r}")
-
-
-def _check_conv_args(x, weight, bias, seq_idx, initial_states, activation):
-    check_tensor("x", x)
-    if x.ndim != 3:
-        raise ValueError(f"x: expected [batch, dim, seqlen], got shape {list(x.shape)}")
-    batch, dim, seqlen = x.shape
-    weight = _conv_weight(weight, dim)
-    width = weight.shape[1]
-    _check_activation(activation)
-    if bias is not None:
-        check_tensor("bias", bias)
-        _check_shape("bias", bias, [dim])
-    if seq_idx is not None:
-        check_tensor("seq_idx", seq_idx, float_dtypes=_INT_DTYPES)
-        _check_shape("seq_idx", seq_idx, [batch, seqlen])
-    if initial_states is not None:
-        check_tensor("initial_states", initial_states)
-        if width < 2:
-            raise ValueError("initial_states: a width-1 conv has no state")
-        _check_shape("initial_states", initial_states, [batch, dim, width - 1])
-    return weight
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,9 +92,9 @@ def _scan_launch_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, want_s
     batch, dim, seqlen = u.shape
     dstate = A.shape[1]
     plan = scan_kernels.scan_plan(seqlen)
-    out = _empty(u.shape, u.dtype, u)
-    states = _empty(scan_kernels.states_shape(batch, dim, dstate, plan), "float32", u) if want_states else None
-    last = _empty([batch, dim, dstate], "float32", u) if want_last else None
+    out = empty_on(u.shape, u.dtype, u)
+    states = empty_on(scan_kernels.states_shape(batch, dim, dstate, plan), "float32", u) if want_states else None
+    last = empty_on([batch, dim, dstate], "float32", u) if want_last else None
     scan_kernels.selective_scan_fwd(*triton_args(u, delta, A, B, C, out, D, z, delta_bias, states, last),
                                     delta_softplus=delta_softplus, plan=plan)
     return out, states, last, plan
@@ -178,13 +106,13 @@ def _scan_launch_bwd(saved, dout, plan, delta_softplus, want_out_z=False):
     u, delta, A, B, C, D, z, delta_bias, states = saved
     batch, dim, seqlen = u.shape
     dstate = A.shape[1]
-    du, ddelta = _empty(u.shape, u.dtype, u), _empty(delta.shape, delta.dtype, u)
-    dz = None if z is None else _empty(z.shape, z.dtype, u)
-    out_z = _empty(u.shape, u.dtype, u) if want_out_z and z is not None else None
-    dA, dB, dC = _zeros32(A.shape, u), _zeros32(B.shape, u), _zeros32(C.shape, u)
-    dD = None if D is None else _zeros32(D.shape, u)
-    ddb = None if delta_bias is None else _zeros32(delta_bias.shape, u)
-    work = _empty(scan_kernels.workspace_shape(batch, dim, dstate, plan), "float32", u)
+    du, ddelta = empty_on(u.shape, u.dtype, u), empty_on(delta.shape, delta.dtype, u)
+    dz = None if z is None else empty_on(z.shape, z.dtype, u)
+    out_z = empty_on(u.shape, u.dtype, u) if want_out_z and z is not None else None
+    dA, dB, dC = zeros32_on(A.shape, u), zeros32_on(B.shape, u), zeros32_on(C.shape, u)
+    dD = None if D is None else zeros32_on(D.shape, u)
+    ddb = None if delta_bias is None else zeros32_on(delta_bias.shape, u)
+    work = empty_on(scan_kernels.workspace_shape(batch, dim, dstate, plan), "float32", u)
     scan_kernels.selective_scan_bwd(*triton_args(u, delta, A, B, C, contiguous(dout), states, work, du, ddelta, dA,
                                                  dB, dC, D, z, delta_bias, dD, dz, ddb, out_z),
                                     delta_softplus=delta_softplus, plan=plan)
@@ -194,7 +122,7 @@ def _scan_launch_bwd(saved, dout, plan, delta_softplus, want_out_z=False):
 class SelectiveScanFunction(PyLayer):
     @staticmethod
     def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state):
-        ctx.needs_grad = _needs_grad(u, delta, A, B, C, D, z, delta_bias)
+        ctx.needs_grad = needs_grad(u, delta, A, B, C, D, z, delta_bias)
         u, delta, A, B, C, D, z, delta_bias = (contiguous(t) for t in (u, delta, A, B, C, D, z, delta_bias))
         # the chunk states are only saved when a backward can follow
         out, states, last, plan = _scan_launch_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
@@ -211,9 +139,9 @@ class SelectiveScanFunction(PyLayer):
         saved = ctx.saved_tensor()
         u, delta, A, B, C, D, z, delta_bias, _ = saved
         du, ddelta, dA, dB, dC, dD, dz, ddb, _ = _scan_launch_bwd(saved, dout, ctx.plan, ctx.delta_softplus)
-        grads = [du, ddelta, _as(dA, A), _as(dB, B), _as(dC, C)]
-        grads += [_as(g, t) for g, t in ((dD, D), (dz, z), (ddb, delta_bias)) if t is not None]
-        return _grads(ctx, grads)
+        grads = [du, ddelta, cast_like(dA, A), cast_like(dB, B), cast_like(dC, C)]
+        grads += [cast_like(g, t) for g, t in ((dD, D), (dz, z), (ddb, delta_bias)) if t is not None]
+        return grads_for(ctx, grads)
 
 
 def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
@@ -230,119 +158,7 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
 
 
 # ----------------------------------------------------------------------------------------------
-# causal conv1d
-
-
-def _conv_launch_fwd(x, weight, bias, seq_idx, initial_states, activation):
-    out = _empty(x.shape, x.dtype, x)
-    conv_kernels.causal_conv1d_fwd(*triton_args(x, weight, out, bias, seq_idx, initial_states), activation=activation)
-    return out
-
-
-def _conv_launch_bwd(x, weight, bias, seq_idx, initial_states, dout, activation):
-    """(dx, dweight, dbias, dinitial_states) in the inputs' dtypes."""
-    dx = _empty(x.shape, x.dtype, x)
-    dweight = _zeros32(weight.shape, x)
-    dbias = None if bias is None else _zeros32(bias.shape, x)
-    dinit = None if initial_states is None else _empty(initial_states.shape, initial_states.dtype, x)
-    conv_kernels.causal_conv1d_bwd(*triton_args(x, weight, contiguous(dout), dx, dweight, bias, dbias, seq_idx,
-                                                initial_states, dinit), activation=activation)
-    return dx, _as(dweight, weight), _as(dbias, bias), dinit
-
-
-class CausalConv1dFunction(PyLayer):
-    @staticmethod
-    def forward(ctx, x, weight, bias, seq_idx, initial_states, activation):
-        x, weight, bias, seq_idx, initial_states = (contiguous(t) for t in (x, weight, bias, seq_idx, initial_states))
-        ctx.save_for_backward(x, weight, bias, seq_idx, initial_states)
-        ctx.activation = activation
-        ctx.needs_grad = _needs_grad(x, weight, bias, seq_idx, initial_states)
-        return _conv_launch_fwd(x, weight, bias, seq_idx, initial_states, activation)
-
-    @staticmethod
-    def backward(ctx, dout):
-        x, weight, bias, seq_idx, initial_states = ctx.saved_tensor()
-        dx, dweight, dbias, dinit = _conv_launch_bwd(x, weight, bias, seq_idx, initial_states, dout, ctx.activation)
-        grads = [dx, dweight] + [g for g, t in ((dbias, bias), (None, seq_idx), (dinit, initial_states))
-                                 if t is not None]
-        return _grads(ctx, grads)
-
-
-def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
-                     final_states_out=None, activation=None, backend: str = "auto"):
-    """Depthwise causal conv (see the module docstring). Returns out in x's dtype, and with
-    ``return_final_states`` also the last width - 1 inputs ``[batch, dim, width - 1]`` (written into
-    ``final_states_out`` when given; differentiable otherwise)."""
-    weight = _check_conv_args(x, weight, bias, seq_idx, initial_states, activation)
-    width = weight.shape[1]
-    if return_final_states and width < 2:
-        raise ValueError("return_final_states: a width-1 conv has no state")
-    if final_states_out is not None:
-        check_tensor("final_states_out", final_states_out)
-        _check_shape("final_states_out", final_states_out, [x.shape[0], x.shape[1], width - 1])
-    chosen = resolve_backend("causal_conv1d", backend, device_of(x), implemented=IMPLEMENTED)
-    if chosen == "reference" or x.size == 0:
-        return ref.causal_conv1d_ref(x, weight, bias, seq_idx, initial_states, return_final_states,
-                                     final_states_out, activation)
-    out = CausalConv1dFunction.apply(x, weight, bias, seq_idx, initial_states, activation)
-    if not return_final_states:
-        return out
-    # the last width - 1 inputs: a slice of (initial_states, x), differentiable by Paddle
-    history = x if x.shape[-1] >= width - 1 else paddle.concat(
-        [initial_states if initial_states is not None else paddle.zeros([x.shape[0], x.shape[1], width - 1],
-                                                                        dtype=x.dtype), x], axis=-1)
-    final = history[:, :, history.shape[-1] - (width - 1):]
-    if final_states_out is not None:
-        paddle.assign(final.detach(), output=final_states_out)
-        return out, final_states_out
-    return out, final
-
-
-# ----------------------------------------------------------------------------------------------
 # decoding steps (in place, no autograd)
-
-
-def _run_in_place(state, launch):
-    """Run ``launch(dense_state)`` on state's memory, or on a contiguous copy written back."""
-    dense = contiguous(state)
-    launch(dense)
-    if dense is not state:
-        paddle.assign(dense, output=state)
-
-
-def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
-                         backend: str = "auto"):
-    """Decoding step(s) of the causal conv: x ``[batch, dim]`` or ``[batch, dim, seqlen]`` new tokens;
-    conv_state ``[batch, dim, state_len >= width - 1]`` updated in place (the last inputs, or with
-    ``cache_seqlens`` ``[batch]`` a ring buffer where token i goes to ``(cache_seqlens + i) % state_len``).
-    Returns out shaped like x."""
-    check_tensor("x", x)
-    if x.ndim not in (2, 3):
-        raise ValueError(f"x: expected [batch, dim] or [batch, dim, seqlen], got shape {list(x.shape)}")
-    batch, dim = x.shape[:2]
-    weight = _conv_weight(weight, dim)
-    width = weight.shape[1]
-    _check_activation(activation)
-    check_tensor("conv_state", conv_state)
-    if conv_state.ndim != 3 or list(conv_state.shape[:2]) != [batch, dim] or conv_state.shape[2] < width - 1:
-        raise ValueError(f"conv_state: expected [batch={batch}, dim={dim}, state_len >= width - 1 = {width - 1}], "
-                         f"got {list(conv_state.shape)}")
-    if bias is not None:
-        check_tensor("bias", bias)
-        _check_shape("bias", bias, [dim])
-    if cache_seqlens is not None:
-        check_tensor("cache_seqlens", cache_seqlens, float_dtypes=_INT_DTYPES)
-        _check_shape("cache_seqlens", cache_seqlens, [batch])
-    chosen = resolve_backend("causal_conv1d_update", backend, device_of(x), implemented=IMPLEMENTED)
-    with paddle.no_grad():
-        if chosen == "reference" or x.size == 0:
-            return ref.causal_conv1d_update_ref(x, conv_state, weight, bias, activation, cache_seqlens)
-        x, weight, bias, cache_seqlens = (contiguous(t) for t in (x, weight, bias, cache_seqlens))
-        out = _empty(x.shape, x.dtype, x)
-        _run_in_place(conv_state, lambda state: conv_kernels.causal_conv1d_update(
-            *triton_args(x, state, weight, out, bias), activation=activation,
-            cache_seqlens=None if cache_seqlens is None else triton_args(cache_seqlens)[0]))
-        return out
 
 
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
@@ -357,9 +173,9 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     for name, t in (("x", x), ("dt", dt), ("z", z)):
         if t is not None or name != "z":
             check_tensor(name, t)
-            _check_shape(name, t, [batch, dim])
+            check_shape(name, t, [batch, dim])
     check_tensor("A", A)
-    _check_shape("A", A, [dim, dstate])
+    check_shape("A", A, [dim, dstate])
     for name, t in (("B", B), ("C", C)):
         check_tensor(name, t)
         if not (list(t.shape) == [batch, dstate] or (t.ndim == 3 and t.shape[0] == batch and t.shape[2] == dstate
@@ -369,14 +185,14 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     for name, t in (("D", D), ("dt_bias", dt_bias)):
         if t is not None:
             check_tensor(name, t)
-            _check_shape(name, t, [dim])
+            check_shape(name, t, [dim])
     chosen = resolve_backend("selective_state_update", backend, device_of(x), implemented=IMPLEMENTED)
     with paddle.no_grad():
         if chosen == "reference" or x.size == 0:
             return ref.selective_state_update_ref(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
         x, dt, A, B, C, D, z, dt_bias = (contiguous(t) for t in (x, dt, A, B, C, D, z, dt_bias))
-        out = _empty(x.shape, x.dtype, x)
-        _run_in_place(state, lambda st: scan_kernels.selective_state_update(
+        out = empty_on(x.shape, x.dtype, x)
+        run_in_place(state, lambda st: scan_kernels.selective_state_update(
             *triton_args(st, x, dt, A, B, C, out, D, z, dt_bias), dt_softplus=dt_softplus))
         return out
 
@@ -411,7 +227,7 @@ class MambaInnerFunction(PyLayer):
         xz = contiguous(xz)
         dim = xz.shape[1] // 2
         x, z = contiguous(xz[:, :dim]), contiguous(xz[:, dim:])
-        conv_out = _conv_launch_fwd(x, conv_w, conv_b, None, None, "silu")
+        conv_out = conv_launch_fwd(x, conv_w, conv_b, None, None, "silu")
         x_dbl = _mm(x_proj_w, conv_out, transpose_a=True)  # [batch, r + 2 n, seqlen]
         rank, dstate = delta_proj_w.shape[0], A.shape[1]
         delta = _mm(delta_proj_w, x_dbl[:, :rank], transpose_a=True)  # [batch, dim, seqlen]
@@ -426,7 +242,7 @@ class MambaInnerFunction(PyLayer):
         ctx.save_for_backward(xz, conv_w, conv_b, x_proj_w, delta_proj_w, out_proj_w, out_proj_b, A, B, C, D,
                               delta_bias, B_proj_bias, C_proj_bias, x_dbl, states, *keep)
         ctx.plan, ctx.delta_softplus = plan, delta_softplus
-        ctx.needs_grad = _needs_grad(xz, conv_w, conv_b, x_proj_w, delta_proj_w, out_proj_w, out_proj_b, A, B, C, D,
+        ctx.needs_grad = needs_grad(xz, conv_w, conv_b, x_proj_w, delta_proj_w, out_proj_w, out_proj_b, A, B, C, D,
                                      delta_bias, B_proj_bias, C_proj_bias)
         return out
 
@@ -438,7 +254,7 @@ class MambaInnerFunction(PyLayer):
         rank, dstate = delta_proj_w.shape[0], A.shape[1]
         x, z = contiguous(xz[:, :dim]), contiguous(xz[:, dim:])
         if conv_out is None:  # checkpoint_lvl 1: recompute
-            conv_out = _conv_launch_fwd(x, conv_w, conv_b, None, None, "silu")
+            conv_out = conv_launch_fwd(x, conv_w, conv_b, None, None, "silu")
             delta = _mm(delta_proj_w, x_dbl[:, :rank], transpose_a=True)
         B_in = _projected(x_dbl, rank, dstate, B_proj_bias) if B is None else contiguous(B)
         C_in = _projected(x_dbl, rank + dstate, dstate, C_proj_bias) if C is None else contiguous(C)
@@ -450,21 +266,21 @@ class MambaInnerFunction(PyLayer):
         d_out_proj_b = None if out_proj_b is None else dout.astype("float32").sum(axis=[0, 1]).astype(out_proj_b.dtype)
         # gradient of x_dbl [batch, r + 2n, seqlen]: delta's rows, then B's and C's when projected
         parts = [_mm(delta_proj_w, ddelta)]
-        parts.append(_as(dB, x_dbl) if B is None else paddle.zeros_like(x_dbl[:, rank:rank + dstate]))
-        parts.append(_as(dC, x_dbl) if C is None else paddle.zeros_like(x_dbl[:, rank + dstate:]))
+        parts.append(cast_like(dB, x_dbl) if B is None else paddle.zeros_like(x_dbl[:, rank:rank + dstate]))
+        parts.append(cast_like(dC, x_dbl) if C is None else paddle.zeros_like(x_dbl[:, rank + dstate:]))
         dx_dbl = paddle.concat(parts, axis=1)
         d_delta_proj_w = _batch_sum_mm(x_dbl[:, :rank], ddelta)
         d_x_proj_w = _batch_sum_mm(conv_out, dx_dbl)
         dconv_out = du + _mm(x_proj_w, dx_dbl)
-        dx, dconv_w, dconv_b, _ = _conv_launch_bwd(x, conv_w, conv_b, None, None, dconv_out, "silu")
+        dx, dconv_w, dconv_b, _ = conv_launch_bwd(x, conv_w, conv_b, None, None, dconv_out, "silu")
         dxz = paddle.concat([dx, dz], axis=1)
-        dB_bias = None if B_proj_bias is None else _as(dB.sum(axis=[0, 2]), B_proj_bias)
-        dC_bias = None if C_proj_bias is None else _as(dC.sum(axis=[0, 2]), C_proj_bias)
+        dB_bias = None if B_proj_bias is None else cast_like(dB.sum(axis=[0, 2]), B_proj_bias)
+        dC_bias = None if C_proj_bias is None else cast_like(dC.sum(axis=[0, 2]), C_proj_bias)
         candidates = ((dxz, xz), (dconv_w, conv_w), (dconv_b, conv_b), (d_x_proj_w, x_proj_w),
                       (d_delta_proj_w, delta_proj_w), (d_out_proj_w, out_proj_w), (d_out_proj_b, out_proj_b),
-                      (_as(dA, A), A), (_as(dB, B), B), (_as(dC, C), C), (_as(dD, D), D),
-                      (_as(ddb, delta_bias), delta_bias), (dB_bias, B_proj_bias), (dC_bias, C_proj_bias))
-        return _grads(ctx, [g for g, t in candidates if t is not None])
+                      (cast_like(dA, A), A), (cast_like(dB, B), B), (cast_like(dC, C), C), (cast_like(dD, D), D),
+                      (cast_like(ddb, delta_bias), delta_bias), (dB_bias, B_proj_bias), (dC_bias, C_proj_bias))
+        return grads_for(ctx, [g for g, t in candidates if t is not None])
 
 
 def _projected(x_dbl, start, dstate, bias):
@@ -495,10 +311,10 @@ def mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_wei
             raise ValueError(f"{name}: expected a 2-D weight, got shape {list(t.shape)}")
     x_proj_w, delta_proj_w, out_proj_w = ref.paddle_linear_weights(x_proj_weight, delta_proj_weight,
                                                                    out_proj_weight, is_paddle_linear)
-    conv_w = _conv_weight(conv1d_weight, dim)
+    conv_w = conv_weight(conv1d_weight, dim)
     if conv1d_bias is not None:
         check_tensor("conv1d_bias", conv1d_bias)
-        _check_shape("conv1d_bias", conv1d_bias, [dim])
+        check_shape("conv1d_bias", conv1d_bias, [dim])
     check_tensor("A", A, float_dtypes=None)
     if A.ndim != 2 or A.shape[0] != dim:
         raise ValueError(f"A: expected [dim={dim}, dstate], got shape {list(A.shape)}")
@@ -519,7 +335,7 @@ def mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_wei
                           ("B_proj_bias", B_proj_bias, dstate), ("C_proj_bias", C_proj_bias, dstate)):
         if t is not None:
             check_tensor(name, t)
-            _check_shape(name, t, [size])
+            check_shape(name, t, [size])
     for name, t in (("B", B), ("C", C)):
         if t is not None:
             _check_bc(name, t, batch, dim, A.shape[1], seqlen, complex_A)

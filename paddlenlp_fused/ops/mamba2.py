@@ -35,7 +35,7 @@ import paddle
 
 from ..reference.ssd import NO_DT_LIMIT, process_dt, selective_state_update_multihead_ref
 from ._checks import check_tensor
-from .mamba import causal_conv1d_fn
+from .causal_conv1d import causal_conv1d_fn
 from .norm import rmsnorm_gated_fn
 from .ssd import mamba_chunk_scan_combined
 

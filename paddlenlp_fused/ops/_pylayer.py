@@ -1,0 +1,47 @@
+"""Small pieces the ops' PyLayers share: gradient bookkeeping, buffers on the input's place, and
+in-place launches on possibly strided state tensors."""
+
+from __future__ import annotations
+
+import paddle
+
+from ._checks import contiguous
+
+
+def grads_for(ctx, grads):
+    """Paddle wants None for every tensor input that does not require a gradient; ``ctx.needs_grad``
+    comes from ``needs_grad`` over the same (non-None) inputs."""
+    return tuple(g if needed else None for g, needed in zip(grads, ctx.needs_grad))
+
+
+def needs_grad(*tensors):
+    return [not t.stop_gradient for t in tensors if t is not None]
+
+
+def empty_on(shape, dtype, like):
+    return paddle.empty(list(shape), dtype=dtype, device=like.place)
+
+
+def zeros32_on(shape, like):
+    return paddle.zeros(list(shape), dtype="float32", device=like.place)
+
+
+def cast_like(t, like):
+    """t cast to like's dtype (accumulators back to their input's dtype); None without like."""
+    if t is None or like is None:
+        return None
+    return t if t.dtype == like.dtype else t.astype(like.dtype)
+
+
+def check_shape(name, t, expected, what=None):
+    if list(t.shape) != list(expected):
+        raise ValueError(f"{name}: expected {what + ' = ' if what else 'shape '}{list(expected)}, "
+                         f"got {list(t.shape)}")
+
+
+def run_in_place(state, launch):
+    """Run ``launch(dense_state)`` on state's memory, or on a contiguous copy written back."""
+    dense = contiguous(state)
+    launch(dense)
+    if dense is not state:
+        paddle.assign(dense, output=state)

@@ -1,0 +1,166 @@
+"""Causal depthwise conv1d ops (``causal_conv1d``'s signatures, plus ``backend=``).
+
+* ``causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None,
+  return_final_states=False, final_states_out=None, activation=None)``: x ``[batch, dim, seqlen]``,
+  weight ``[dim, width]`` (or Conv1D's ``[dim, 1, width]``), any width; activation None, "silu" or
+  "swish"; ``seq_idx`` ``[batch, seqlen]`` resets the conv at sequence boundaries of a packed batch;
+  ``initial_states`` / final states ``[batch, dim, width - 1]``.
+* ``causal_conv1d_update``: decoding step(s), state updated in place (no autograd).
+
+Backends: ``triton`` (``kernels/triton/causal_conv1d.py`` inside a PyLayer) and ``reference`` (pure
+Paddle, float32). A ``cuda`` backend is not implemented yet: asking for it raises
+``BackendUnavailableError``.
+"""
+
+from __future__ import annotations
+
+import paddle
+from paddle.autograd import PyLayer
+
+from ..kernels.triton import causal_conv1d as conv_kernels
+from ..reference import mamba as ref
+from ..runtime.backend import resolve_backend
+from ..runtime.triton_paddle import triton_args
+from ._checks import check_tensor, contiguous, device_of
+from ._pylayer import cast_like, check_shape, empty_on, grads_for, needs_grad, run_in_place, zeros32_on
+
+IMPLEMENTED = ("triton", "reference")
+CONV_ACTIVATIONS = (None, "silu", "swish")
+_INT_DTYPES = ("int32", "int64")
+
+
+def conv_weight(weight, dim=None):
+    """A [dim, width] view of weight ([dim, width] or Conv1D's [dim, 1, width])."""
+    check_tensor("weight", weight)
+    if weight.ndim == 3 and weight.shape[1] == 1:
+        weight = weight.reshape([weight.shape[0], weight.shape[2]])
+    if weight.ndim != 2 or (dim is not None and weight.shape[0] != dim) or weight.shape[1] < 1:
+        raise ValueError(f"weight: expected [dim={dim}, width >= 1] (or [dim, 1, width]), got {list(weight.shape)}")
+    return weight
+
+
+def _check_activation(activation):
+    if activation not in CONV_ACTIVATIONS:
+        raise ValueError(f"activation: expected None, 'silu' or 'swish', got {activation!r}")
+
+
+def _check_conv_args(x, weight, bias, seq_idx, initial_states, activation):
+    check_tensor("x", x)
+    if x.ndim != 3:
+        raise ValueError(f"x: expected [batch, dim, seqlen], got shape {list(x.shape)}")
+    batch, dim, seqlen = x.shape
+    weight = conv_weight(weight, dim)
+    width = weight.shape[1]
+    _check_activation(activation)
+    if bias is not None:
+        check_tensor("bias", bias)
+        check_shape("bias", bias, [dim])
+    if seq_idx is not None:
+        check_tensor("seq_idx", seq_idx, float_dtypes=_INT_DTYPES)
+        check_shape("seq_idx", seq_idx, [batch, seqlen])
+    if initial_states is not None:
+        check_tensor("initial_states", initial_states)
+        if width < 2:
+            raise ValueError("initial_states: a width-1 conv has no state")
+        check_shape("initial_states", initial_states, [batch, dim, width - 1])
+    return weight
+
+
+def conv_launch_fwd(x, weight, bias, seq_idx, initial_states, activation):
+    out = empty_on(x.shape, x.dtype, x)
+    conv_kernels.causal_conv1d_fwd(*triton_args(x, weight, out, bias, seq_idx, initial_states), activation=activation)
+    return out
+
+
+def conv_launch_bwd(x, weight, bias, seq_idx, initial_states, dout, activation):
+    """(dx, dweight, dbias, dinitial_states) in the inputs' dtypes."""
+    dx = empty_on(x.shape, x.dtype, x)
+    dweight = zeros32_on(weight.shape, x)
+    dbias = None if bias is None else zeros32_on(bias.shape, x)
+    dinit = None if initial_states is None else empty_on(initial_states.shape, initial_states.dtype, x)
+    conv_kernels.causal_conv1d_bwd(*triton_args(x, weight, contiguous(dout), dx, dweight, bias, dbias, seq_idx,
+                                                initial_states, dinit), activation=activation)
+    return dx, cast_like(dweight, weight), cast_like(dbias, bias), dinit
+
+
+class CausalConv1dFunction(PyLayer):
+    @staticmethod
+    def forward(ctx, x, weight, bias, seq_idx, initial_states, activation):
+        x, weight, bias, seq_idx, initial_states = (contiguous(t) for t in (x, weight, bias, seq_idx, initial_states))
+        ctx.save_for_backward(x, weight, bias, seq_idx, initial_states)
+        ctx.activation = activation
+        ctx.needs_grad = needs_grad(x, weight, bias, seq_idx, initial_states)
+        return conv_launch_fwd(x, weight, bias, seq_idx, initial_states, activation)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight, bias, seq_idx, initial_states = ctx.saved_tensor()
+        dx, dweight, dbias, dinit = conv_launch_bwd(x, weight, bias, seq_idx, initial_states, dout, ctx.activation)
+        grads = [dx, dweight] + [g for g, t in ((dbias, bias), (None, seq_idx), (dinit, initial_states))
+                                 if t is not None]
+        return grads_for(ctx, grads)
+
+
+def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                     final_states_out=None, activation=None, backend: str = "auto"):
+    """Depthwise causal conv (see the module docstring). Returns out in x's dtype, and with
+    ``return_final_states`` also the last width - 1 inputs ``[batch, dim, width - 1]`` (written into
+    ``final_states_out`` when given; differentiable otherwise)."""
+    weight = _check_conv_args(x, weight, bias, seq_idx, initial_states, activation)
+    width = weight.shape[1]
+    if return_final_states and width < 2:
+        raise ValueError("return_final_states: a width-1 conv has no state")
+    if final_states_out is not None:
+        check_tensor("final_states_out", final_states_out)
+        check_shape("final_states_out", final_states_out, [x.shape[0], x.shape[1], width - 1])
+    chosen = resolve_backend("causal_conv1d", backend, device_of(x), implemented=IMPLEMENTED)
+    if chosen == "reference" or x.size == 0:
+        return ref.causal_conv1d_ref(x, weight, bias, seq_idx, initial_states, return_final_states,
+                                     final_states_out, activation)
+    out = CausalConv1dFunction.apply(x, weight, bias, seq_idx, initial_states, activation)
+    if not return_final_states:
+        return out
+    # the last width - 1 inputs: a slice of (initial_states, x), differentiable by Paddle
+    history = x if x.shape[-1] >= width - 1 else paddle.concat(
+        [initial_states if initial_states is not None else paddle.zeros([x.shape[0], x.shape[1], width - 1],
+                                                                        dtype=x.dtype), x], axis=-1)
+    final = history[:, :, history.shape[-1] - (width - 1):]
+    if final_states_out is not None:
+        paddle.assign(final.detach(), output=final_states_out)
+        return out, final_states_out
+    return out, final
+
+
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
+                         backend: str = "auto"):
+    """Decoding step(s) of the causal conv: x ``[batch, dim]`` or ``[batch, dim, seqlen]`` new tokens;
+    conv_state ``[batch, dim, state_len >= width - 1]`` updated in place (the last inputs, or with
+    ``cache_seqlens`` ``[batch]`` a ring buffer where token i goes to ``(cache_seqlens + i) % state_len``).
+    Returns out shaped like x."""
+    check_tensor("x", x)
+    if x.ndim not in (2, 3):
+        raise ValueError(f"x: expected [batch, dim] or [batch, dim, seqlen], got shape {list(x.shape)}")
+    batch, dim = x.shape[:2]
+    weight = conv_weight(weight, dim)
+    width = weight.shape[1]
+    _check_activation(activation)
+    check_tensor("conv_state", conv_state)
+    if conv_state.ndim != 3 or list(conv_state.shape[:2]) != [batch, dim] or conv_state.shape[2] < width - 1:
+        raise ValueError(f"conv_state: expected [batch={batch}, dim={dim}, state_len >= width - 1 = {width - 1}], "
+                         f"got {list(conv_state.shape)}")
+    if bias is not None:
+        check_tensor("bias", bias)
+        check_shape("bias", bias, [dim])
+    if cache_seqlens is not None:
+        check_tensor("cache_seqlens", cache_seqlens, float_dtypes=_INT_DTYPES)
+        check_shape("cache_seqlens", cache_seqlens, [batch])
+    chosen = resolve_backend("causal_conv1d_update", backend, device_of(x), implemented=IMPLEMENTED)
+    with paddle.no_grad():
+        if chosen == "reference" or x.size == 0:
+            return ref.causal_conv1d_update_ref(x, conv_state, weight, bias, activation, cache_seqlens)
+        x, weight, bias, cache_seqlens = (contiguous(t) for t in (x, weight, bias, cache_seqlens))
+        out = empty_on(x.shape, x.dtype, x)
+        run_in_place(conv_state, lambda state: conv_kernels.causal_conv1d_update(
+            *triton_args(x, state, weight, out, bias), activation=activation,
+            cache_seqlens=None if cache_seqlens is None else triton_args(cache_seqlens)[0]))
+        return out
