@@ -1,7 +1,8 @@
 """swap_fused_layers on tiny PaddleNLP LLaMA, GPT and Mamba models: same loss and gradients at step 0
 (reference backend and the Triton interpreter), checkpoints of the original load into the swapped
-model, and 20 AdamW steps give the same loss curve. Runs only where PaddleNLP is installed (the
-``paddlenlp`` test extra)."""
+model, and 20 AdamW steps give the same loss curve; GPT's inline MLP; ``integrations.enable()`` /
+``disable()`` (PaddleNLP's own fast paths on our ops). Tensor / sequence parallel models:
+``test_integration_parallel.py``. Runs only where PaddleNLP is installed (the ``paddlenlp`` test extra)."""
 
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from paddlenlp.transformers import (  # noqa: E402
     GPTConfig, GPTForCausalLM, LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM)
 
 from paddlenlp_fused.integrations.paddlenlp import (  # noqa: E402
-    DeferredLogits, FusedCausalLMCriterion, FusedLlamaMLP, FusedLMHead, swap_fused_layers)
+    DeferredLogits, FusedCausalLMCriterion, FusedGPTMLP, FusedLlamaMLP, FusedLMHead, swap_fused_layers)
 from paddlenlp_fused.layers.mamba import MambaMixer  # noqa: E402
 from paddlenlp_fused.layers.norm import FusedLayerNorm, FusedRMSNorm  # noqa: E402
 from paddlenlp_fused.runtime.backend import use_backend  # noqa: E402
@@ -33,7 +34,7 @@ MODELS = {
     "gpt": (GPTConfig, GPTForCausalLM,
             dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
-            {"layer_norm": 5, "lm_head": 1, "criterion": 1}),
+            {"layer_norm": 5, "gpt_mlp": 2, "lm_head": 1, "criterion": 1}),
     "mamba": (MambaConfig, MambaForCausalLM,
               dict(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, conv_kernel=4, expand=2),
               {"rms_norm": 3, "mamba_mixer": 2}),
@@ -105,6 +106,9 @@ def test_report_and_types(name):
     assert report.notes, "the report must say what it never swaps"
     for path, change in report.swapped_paths:
         layer = dict(swapped.named_sublayers())[path]
+        if type(layer).__name__ == "GPTDecoderLayer":  # kept in place, its MLP routed through FusedGPTMLP
+            assert isinstance(layer._paddlenlp_fused_mlp, FusedGPTMLP) and "FusedGPTMLP" in change
+            continue
         assert change.endswith(type(layer).__name__)
         assert type(layer) in NEW_CLASSES.values()
     # Same Parameter objects under the same names: nothing copied, nothing lost.
@@ -155,16 +159,20 @@ def test_checkpoint_of_original_loads_into_swapped(name, rng, tmp_path):
         assert abs(float(_loss(swapped, ids)) - float(_loss(original, ids))) <= LOSS_ATOL
 
 
-@pytest.mark.parametrize("name,backend", [("llama", "reference"), ("llama_tied", "reference"), ("gpt", "reference"),
-                                          ("mamba", "reference"), ("gpt", "triton")])
-def test_twenty_adamw_steps_same_curve(name, backend, rng):
+# The Triton case keeps GPT's MLP on PaddleNLP's layers: the interpreter's GEMMs would take most of a
+# minute over 20 steps; the fused MLP on Triton is checked at step 0 above.
+@pytest.mark.parametrize("name,backend,options", [("llama", "reference", {}), ("llama_tied", "reference", {}),
+                                                  ("gpt", "reference", {}), ("mamba", "reference", {}),
+                                                  ("gpt", "triton", {"mlp": False})],
+                         ids=["llama", "llama_tied", "gpt", "mamba", "gpt-triton-no-mlp"])
+def test_twenty_adamw_steps_same_curve(name, backend, options, rng):
     original = _build(name)
     swapped = _build(name, seed=1)
     swapped.set_state_dict(original.state_dict())
     opt_ref = paddle.optimizer.AdamW(1e-3, parameters=original.parameters())
     # Built before the swap: the swapped layers must own the same Parameter objects it updates.
     opt_new = paddle.optimizer.AdamW(1e-3, parameters=swapped.parameters())
-    swap_fused_layers(swapped)
+    swap_fused_layers(swapped, **options)
     curves = ([], [])
     with use_backend(backend):
         for _ in range(20):
@@ -181,23 +189,22 @@ def test_twenty_adamw_steps_same_curve(name, backend, rng):
     np.testing.assert_allclose(new, ref, rtol=CURVE_RTOL)
 
 
-def test_flags_and_tensor_parallel_are_reported():
+def test_flags_and_blockers_are_reported():
     model = _build("llama")
-    for layer in model.sublayers():
-        if type(layer).__name__ == "LlamaMLP":
-            layer.tensor_parallel_degree = 2  # as a model built with tensor_parallel_degree=2 records it
-    model.lm_head.config.tensor_parallel_degree = 2  # the head reads the model's config
-    report = swap_fused_layers(model, norms=False)
+    report = swap_fused_layers(model, norms=False, mlp=False, lm_head=False)
     assert report.swapped == {}
     reasons = [why for _, why in report.skipped]
     assert sum("norms=False" in why for why in reasons) == 5
-    assert sum("tensor_parallel_degree > 1" in why for why in reasons) == 3
-    assert ("lm_head", reasons[0]) == report.skipped[0] and "vocabulary-parallel" in reasons[0]
+    assert sum("mlp=False" in why for why in reasons) == 2
+    assert ("lm_head", "lm_head=False") in report.skipped and "lm_head=False" in str(report)
+    # A head whose weight says it is a vocabulary shard, with no model-parallel group to combine over.
+    model.lm_head.weight.is_distributed = True
+    report = swap_fused_layers(model, norms=False, mlp=False)
+    assert report.swapped == {} and "marked distributed" in dict(report.skipped)["lm_head"]
     assert type(model.lm_head).__name__ == "LlamaLMHead"
-    model.lm_head.config.tensor_parallel_degree = 1
-    report = swap_fused_layers(model, norms=False, mlp=False, lm_head=False)
-    assert report.swapped == {} and ("lm_head", "lm_head=False") in report.skipped
-    assert "tensor_parallel_degree > 1" in str(report)
+    model.lm_head.weight.is_distributed = False
+    model.config.use_fused_linear_cross_entropy = True  # PaddleNLP bypasses lm_head then
+    assert "use_fused_linear_cross_entropy" in dict(swap_fused_layers(model, norms=False, mlp=False).skipped)["lm_head"]
     with pytest.raises(TypeError, match="model"):
         swap_fused_layers(object())
     with pytest.raises(ValueError, match="backend"):
@@ -304,3 +311,166 @@ def test_gpt_criterion_loss_mask_and_fallback(rng):
     ref = model.criterion(logits, labels, mask)
     assert abs(float(criterion(DeferredLogits(hidden, weight, True), labels, mask)) - float(ref)) <= LOSS_ATOL
     assert float(criterion(logits, labels, mask)) == float(ref)
+
+
+# --- GPT's inline MLP (linear1 / gelu / linear2 in GPTDecoderLayer.forward) -> one fused_mlp_func call
+
+
+def test_gpt_inline_mlp_swap(rng, monkeypatch):
+    import paddlenlp_fused.integrations.paddlenlp as integration
+
+    original, swapped, report = _pair("gpt", norms=False, lm_head=False)
+    assert report.swapped == {"gpt_mlp": 2}, str(report)
+    layer = swapped.gpt.decoder.layers[0]
+    assert type(layer.linear1) is paddle.nn.Linear and type(layer.linear2) is paddle.nn.Linear  # kept, in place
+    assert list(swapped.state_dict()) == list(original.state_dict())
+    calls = []
+    real = integration.fused_mlp_func
+    monkeypatch.setattr(integration, "fused_mlp_func", lambda *a, **k: calls.append(k["activation"]) or real(*a, **k))
+    ids = _batch(rng)
+    with use_backend("triton"):
+        loss_ref, loss_new = _loss(original, ids), _loss(swapped, ids)
+        loss_ref.backward()
+        loss_new.backward()
+    assert calls == ["gelu_approx", "gelu_approx"], calls  # one fused call per layer, nothing else
+    assert abs(float(loss_new) - float(loss_ref)) <= LOSS_ATOL
+    _assert_same_grads(original, swapped)
+    # Outside the decoder layer's forward the linears and the activation are what they were.
+    x = paddle.to_tensor(rng.standard_normal((3, 32)).astype("float32"))
+    ref_layer = original.gpt.decoder.layers[0]
+    np.testing.assert_array_equal(layer.linear1(x).numpy(), ref_layer.linear1(x).numpy())
+    np.testing.assert_array_equal(layer.activation(x, approximate=True).numpy(),
+                                  paddle.nn.functional.gelu(x, approximate=True).numpy())
+    assert swap_fused_layers(swapped, norms=False, lm_head=False).swapped == {}, "installed once"
+
+
+# --- integrations.enable(): PaddleNLP's own fast paths resolve to our ops
+
+
+@pytest.fixture
+def shims():
+    from paddlenlp_fused.integrations import paddlenlp_shims
+
+    installed = paddlenlp_shims.enable()
+    assert "paddlenlp_kernel.triton.cut_cross_entropy" in installed
+    yield paddlenlp_shims
+    paddlenlp_shims.disable()
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied"])
+def test_enable_serves_llama_fused_linear_cross_entropy(name, shims, rng):
+    """LlamaForCausalLM with use_fused_linear_cross_entropy imports paddlenlp_kernel's loss in forward."""
+    import paddlenlp_kernel.triton.cut_cross_entropy as cce
+
+    assert cce.linear_cross_entropy is shims.linear_cross_entropy
+    original, fused = _build(name), _build(name, seed=1)
+    fused.set_state_dict(original.state_dict())
+    fused.config.use_fused_linear_cross_entropy = True
+    ids = _batch(rng)
+    with use_backend("reference"):
+        loss_ref = _loss(original, ids)
+        out = fused(input_ids=ids, labels=ids, return_dict=True)
+        loss_ref.backward()
+        out.loss.backward()
+    assert out.logits is None  # PaddleNLP's own fused path: no logits
+    assert abs(float(out.loss) - float(loss_ref)) <= LOSS_ATOL
+    _assert_same_grads(original, fused)
+
+
+def test_enable_serves_inf_cl_loss(shims, rng):
+    from paddlenlp.transformers.contrastive_loss import SimpleInfclLoss
+
+    q_np, p_np = rng.standard_normal((6, 16)), rng.standard_normal((12, 16))  # 2 passages per query
+    q, p = (paddle.to_tensor(a.astype("float32"), stop_gradient=False) for a in (q_np, p_np))
+    with use_backend("reference"):
+        loss = SimpleInfclLoss(inf_cl_head_dim=8)(q, p)
+        loss.backward()
+    logits = q_np @ p_np.T
+    labels = np.arange(6) * 2
+    lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+    assert abs(float(loss) - float(np.mean(lse - logits[np.arange(6), labels]))) <= LOSS_ATOL
+    softmax = np.exp(logits - lse[:, None])
+    softmax[np.arange(6), labels] -= 1.0
+    np.testing.assert_allclose(q.grad.numpy(), softmax @ p_np / 6, rtol=1e-4, atol=1e-6)
+
+
+def test_enable_takes_mamba_fast_path_and_disable_restores(rng):
+    """PaddleNLP's Mamba binds the mamba_ssm_paddle names at import: enable() re-binds them and turns
+    its fast path (cuda_kernels_forward: mamba_inner_fn in training, the decoding steps with a cache) on."""
+    import sys
+    import types
+
+    from paddlenlp.transformers.mamba import modeling
+
+    from paddlenlp_fused.integrations import disable, enable, paddlenlp_shims
+
+    assert not modeling.is_fast_path_available
+    original, fast = _pair("mamba", mamba=False, norms=False)[:2]  # both PaddleNLP's mixers
+    ids, step = _batch(rng), paddle.to_tensor(rng.integers(0, VOCAB, (BATCH, 1)).astype("int64"))
+
+    def run(model):
+        with use_backend("reference"):
+            loss = _loss(model, ids)
+            loss.backward()
+            model.eval()
+            with paddle.no_grad():
+                first = model(input_ids=ids, use_cache=True, return_dict=True)
+                second = model(input_ids=step, cache=first.cache, use_cache=True, return_dict=True)
+            model.train()
+        return float(loss), first.logits.numpy(), second.logits.numpy()
+
+    ref = run(original)
+    sentinel = types.ModuleType("mamba_ssm_paddle")  # an entry enable() must put back
+    sys.modules["mamba_ssm_paddle"] = sentinel
+    try:
+        enable()
+        assert enable() and paddlenlp_shims.is_enabled()  # idempotent
+        assert modeling.is_fast_path_available and modeling.selective_scan_fn is not None
+        from paddlenlp.transformers.jamba import modeling as jamba  # the other module binding those names
+
+        assert jamba.is_fast_path_available and jamba.causal_conv1d_fn is modeling.causal_conv1d_fn
+        from mamba_ssm_paddle.ops.selective_scan_interface import mamba_inner_fn
+
+        assert modeling.mamba_inner_fn is mamba_inner_fn
+        calls = []
+        for mixer in (layer.mixer for layer in fast.backbone.layers):
+            plain = mixer.cuda_kernels_forward
+            mixer.cuda_kernels_forward = lambda *a, plain=plain, **k: calls.append(1) or plain(*a, **k)
+        new = run(fast)
+    finally:
+        disable()
+    assert len(calls) == 3 * 2, calls  # training, prefill and one decoding step, in both layers
+    assert abs(new[0] - ref[0]) <= LOSS_ATOL
+    _assert_same_grads(original, fast)
+    for a, b in zip(new[1:], ref[1:]):
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) <= GRAD_RTOL
+    assert not modeling.is_fast_path_available and modeling.mamba_inner_fn is None
+    assert not jamba.is_fast_path_available
+    assert sys.modules.pop("mamba_ssm_paddle") is sentinel and not paddlenlp_shims.is_enabled()
+    with pytest.raises(ImportError):
+        import paddlenlp_kernel.triton.cut_cross_entropy  # noqa: F401
+
+
+def test_enable_keeps_a_real_packages_other_submodules(tmp_path, monkeypatch):
+    """With a real paddlenlp_kernel installed, enable() shadows the shimmed modules only."""
+    import sys
+
+    from paddlenlp_fused.integrations import paddlenlp_shims
+
+    for package in ("paddlenlp_kernel", "paddlenlp_kernel/triton", "paddlenlp_kernel/triton/cut_cross_entropy"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "paddlenlp_kernel/triton/optimizer.py").write_text("def adamw_16bit_moment():\n    return 'real'\n")
+    (tmp_path / "paddlenlp_kernel/triton/cut_cross_entropy/__init__.py").write_text("linear_cross_entropy = 'real'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    paddlenlp_shims.enable()
+    try:
+        from paddlenlp_kernel.triton.cut_cross_entropy import linear_cross_entropy
+        from paddlenlp_kernel.triton.optimizer import adamw_16bit_moment
+
+        assert linear_cross_entropy is paddlenlp_shims.linear_cross_entropy
+        assert adamw_16bit_moment() == "real"
+    finally:
+        paddlenlp_shims.disable()
+        for name in [n for n in sys.modules if n.startswith("paddlenlp_kernel")]:
+            del sys.modules[name]  # the real test package's modules, imported through the shims
