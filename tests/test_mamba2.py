@@ -3,18 +3,22 @@
 The composition written here (in_proj matmul, split, a depthwise causal conv loop, silu, the float64
 token-by-token recurrence ``ssd_recurrence_ref``, the gated RMSNorm formula, out_proj) checks values
 and the gradients of every parameter; seqlen 11 with chunk 4 leaves a ragged last chunk. Prefill then
-step-by-step decoding must equal the full forward, and packed ``cu_seqlens`` the per-sequence loop."""
+step-by-step decoding must equal the full forward, and packed ``cu_seqlens`` the per-sequence loop.
+The op's single PyLayer equals its composition at both checkpoint levels; the decoding-step kernel
+(interpreter) matches a float64 step in Mamba-2's and Mamba-1's layouts."""
 
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 import pytest
 
+from paddlenlp_fused.kernels.triton.state_update import selective_state_update as state_update_launch
 from paddlenlp_fused.layers.mamba2 import Mamba2Block, Mamba2InferenceParams
 from paddlenlp_fused.ops.mamba2 import mamba2_state_update, mamba_split_conv1d_scan_combined
 from paddlenlp_fused.reference.ssd import ssd_recurrence_ref
 from paddlenlp_fused.testing.numerics import assert_close
-from helpers import as_leaf64, randn
+from paddlenlp_fused.runtime.triton_paddle import triton_args
+from helpers import as_leaf64, randn, to64
 
 D_MODEL, HEADDIM, D_STATE, D_CONV, CHUNK = 16, 8, 6, 4, 4  # d_inner 32, 4 heads
 
@@ -170,12 +174,12 @@ def test_bad_inputs():
     with pytest.raises(NotImplementedError, match="packed"):
         blk(u[:1], cu_seqlens=paddle.to_tensor(np.array([0, 5], dtype=np.int32)),
             inference_params=Mamba2InferenceParams(8, 1))
-    with pytest.raises(NotImplementedError, match="parallel"):
-        Mamba2Block(D_MODEL, headdim=HEADDIM, process_group=object())
     with pytest.raises(ValueError, match="headdim"):
         Mamba2Block(D_MODEL, headdim=5)
     with pytest.raises(ValueError, match="ngroups"):
         Mamba2Block(D_MODEL, headdim=HEADDIM, ngroups=3)
+    with pytest.raises(ValueError, match="checkpoint_lvl"):
+        Mamba2Block(D_MODEL, headdim=HEADDIM, checkpoint_lvl=2)
     with pytest.raises(ValueError, match="layer_idx"):
         Mamba2Block(D_MODEL, headdim=HEADDIM)(u, inference_params=Mamba2InferenceParams(8, 2))
     A, D = blk._A(), blk.D
@@ -193,6 +197,140 @@ def test_bad_inputs():
                                          activation="relu")
     with pytest.raises(TypeError, match="zxbcdt"):
         mamba_split_conv1d_scan_combined(zxbcdt.numpy(), conv_w, conv_b, blk.dt_bias, A, D, CHUNK, headdim=HEADDIM)
+    with pytest.raises(ValueError, match="checkpoint_lvl"):
+        mamba_split_conv1d_scan_combined(zxbcdt, conv_w, conv_b, blk.dt_bias, A, D, CHUNK, headdim=HEADDIM,
+                                         checkpoint_lvl=2)
+    state, BC = paddle.zeros([2, 4, HEADDIM, D_STATE]), paddle.zeros([2, 1, D_STATE])
     with pytest.raises(ValueError, match="x: expected"):
-        mamba2_state_update(paddle.zeros([2, 4, HEADDIM, D_STATE]), paddle.zeros([2, 4, HEADDIM + 1]),
-                            paddle.zeros([2, 4]), A, paddle.zeros([2, 1, D_STATE]), paddle.zeros([2, 1, D_STATE]))
+        mamba2_state_update(state, paddle.zeros([2, 4, HEADDIM + 1]), paddle.zeros([2, 4]), A, BC, BC)
+    with pytest.raises(ValueError, match="D: expected"):
+        mamba2_state_update(state, paddle.zeros([2, 4, HEADDIM]), paddle.zeros([2, 4]), A, BC, BC,
+                            D=paddle.zeros([4, HEADDIM + 1]))
+    with pytest.raises(ValueError, match="B: expected"):
+        mamba2_state_update(state, paddle.zeros([2, 4, HEADDIM]), paddle.zeros([2, 4]), A, paddle.zeros([2, 3, 6]), BC)
+
+
+# ----------------------------------------------------------------------------------------------
+# the single PyLayer against the composition
+
+
+@pytest.mark.parametrize("checkpoint_lvl", [0, 1])
+def test_pylayer_matches_float64_composition(checkpoint_lvl):
+    """backend auto (the op's PyLayer over the Triton kernels in the interpreter) against the float64
+    composition written here, as the reference-backend composition is in the tests above: outputs,
+    final states and the gradients of every input, with initial states, norm and out_proj, and a
+    gradient for the final states too."""
+    nheads, ngroups, dim = 4, 2, 4 * HEADDIM
+    conv_dim = dim + 2 * ngroups * D_STATE
+    args = dict(zxbcdt=randn((1, 7, 2 * dim + 2 * ngroups * D_STATE + nheads), requires_grad=True),
+                conv_w=randn((conv_dim, 1, D_CONV), scale=0.5, requires_grad=True),
+                conv_b=randn((conv_dim,), scale=0.3, requires_grad=True),
+                dt_bias=randn((nheads,), scale=0.3, requires_grad=True),
+                A=paddle.to_tensor(-np.exp(np.random.randn(nheads) * 0.5).astype(np.float32)),
+                D=randn((nheads,), requires_grad=True), initial_states=randn((1, nheads, HEADDIM, D_STATE),
+                                                                             requires_grad=True),
+                norm_w=paddle.to_tensor(1 + 0.3 * np.random.randn(dim).astype(np.float32)),
+                out_w=randn((dim, 5), scale=0.3, requires_grad=True), out_b=randn((5,), requires_grad=True))
+    args["A"].stop_gradient = args["norm_w"].stop_gradient = False
+    out, final = mamba_split_conv1d_scan_combined(
+        args["zxbcdt"], args["conv_w"], args["conv_b"], args["dt_bias"], args["A"], args["D"], CHUNK,
+        initial_states=args["initial_states"], return_final_states=True, rmsnorm_weight=args["norm_w"],
+        rmsnorm_eps=1e-5, outproj_weight=args["out_w"], outproj_bias=args["out_b"], headdim=HEADDIM,
+        ngroups=ngroups, checkpoint_lvl=checkpoint_lvl)
+    grad_out, grad_final = randn(out.shape), randn(final.shape)
+    ((out * grad_out).sum() + (final * grad_final).sum()).backward()
+    a64 = {k: as_leaf64(v) for k, v in args.items()}
+    ref, ref_final = _composition64(a64["zxbcdt"], a64["conv_w"], a64["conv_b"], a64["dt_bias"], a64["A"], a64["D"],
+                                    ngroups, HEADDIM, (0.0, float("inf")), a64["norm_w"], 1e-5, False, a64["out_w"],
+                                    a64["out_b"], initial_states=a64["initial_states"])
+    ((ref * paddle.to_tensor(to64(grad_out))).sum() + (ref_final * paddle.to_tensor(to64(grad_final))).sum()).backward()
+    assert_close("out", out.numpy(), ref.numpy(), "float32")
+    assert_close("final_states", final.numpy(), ref_final.numpy(), "float32")
+    for name in args:
+        assert_close(f"d{name}", args[name].grad.numpy(), a64[name].grad.numpy(), "float32")
+
+
+def test_checkpoint_levels_give_identical_gradients():
+    """Level 0 keeps the conv output, level 1 recomputes it: the same gradients, bit for bit; no
+    final states asked for, z-gate without norm, seq_idx restarts."""
+    nheads, ngroups, dim = 4, 1, 4 * HEADDIM
+    conv_dim = dim + 2 * ngroups * D_STATE
+    zxbcdt = randn((1, 6, 2 * dim + 2 * ngroups * D_STATE + nheads))
+    conv_w, conv_b = randn((conv_dim, D_CONV), scale=0.5), randn((conv_dim,), scale=0.3)
+    dt_bias, A, D = randn((nheads,), scale=0.3), -paddle.exp(randn((nheads,), scale=0.5)), randn((nheads, HEADDIM))
+    seq_idx = paddle.to_tensor(np.array([[0, 0, 0, 1, 1, 1]], dtype=np.int32))
+    grad_out = randn((1, 6, dim))
+    grads = []
+    for level in (0, 1):
+        leaves = [t.detach() for t in (zxbcdt, conv_w, conv_b, dt_bias, A, D)]
+        for t in leaves:
+            t.stop_gradient = False
+        out = mamba_split_conv1d_scan_combined(*leaves, CHUNK, seq_idx=seq_idx, ngroups=ngroups,
+                                               checkpoint_lvl=level)
+        (out * grad_out).sum().backward()
+        grads.append([t.grad.numpy() for t in leaves])
+    for g0, g1 in zip(*grads):
+        np.testing.assert_array_equal(g0, g1)
+
+
+# ----------------------------------------------------------------------------------------------
+# the decoding-step kernel (interpreter) in both layouts
+
+
+def _step64(state, x, dt, A, B, C, D, z, dt_limit):
+    """float64 step; every argument already broadcast to [..., p] / [..., p, n] (dt after bias)."""
+    dt = np.clip(np.log1p(np.exp(dt)), *dt_limit)
+    new = state * np.exp(dt[..., None] * A) + (dt * x)[..., None] * B
+    y = (new * C).sum(-1) + D * x
+    return new, (y * z / (1 + np.exp(-z)) if z is not None else y)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mamba2_state_update_kernel_matches_float64(dtype):
+    """The op on the Triton kernel: ngroups 2 of 6 heads, headdim 5, dstate 3, D per row, z, dt_limit."""
+    batch, nheads, headdim, dstate, ngroups = 2, 6, 5, 3, 2
+    state = randn((batch, nheads, headdim, dstate), dtype)
+    state64 = to64(state)
+    x, z = randn((batch, nheads, headdim), dtype), randn((batch, nheads, headdim), dtype)
+    dt, dt_bias = randn((batch, nheads), dtype), randn((nheads,))
+    A = -paddle.exp(randn((nheads,)))
+    B, C = randn((batch, ngroups, dstate), dtype), randn((batch, ngroups, dstate), dtype)
+    D = randn((nheads, headdim))
+    y = mamba2_state_update(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_limit=(0.2, 0.8), backend="triton")
+    per_head = lambda M: np.repeat(to64(M), nheads // ngroups, axis=1)[:, :, None, :]  # noqa: E731
+    dt64 = np.broadcast_to((to64(dt) + to64(dt_bias))[..., None], x.shape)
+    new, ref = _step64(state64, to64(x), dt64, to64(A)[:, None, None], per_head(B), per_head(C), to64(D), to64(z),
+                       (0.2, 0.8))
+    assert_close("state", to64(state), new, dtype)
+    assert_close("y", to64(y), ref, dtype)
+
+
+def test_state_update_launcher_untied_and_mamba1_layouts():
+    """The launcher itself: Mamba-2 with A [h, p, n] and dt [b, h, p] (untied), and Mamba-1's
+    [b, d, n] state with grouped B/C (dim 10 in 2 groups), D and dt_bias per channel, no z."""
+    batch, nheads, headdim, dstate = 2, 3, 4, 5
+    state = randn((batch, nheads, headdim, dstate))
+    state64 = to64(state)
+    x, dt = randn((batch, nheads, headdim)), randn((batch, nheads, headdim))
+    A, dt_bias, D = -paddle.exp(randn((nheads, headdim, dstate))), randn((nheads, headdim)), randn((nheads,))
+    B, C = randn((batch, 1, dstate)), randn((batch, 1, dstate))
+    out = paddle.full([batch, nheads, headdim], float("nan"))
+    state_update_launch(*triton_args(state, x, dt, A, B, C, out, D, None, dt_bias), dt_softplus=True)
+    new, ref = _step64(state64, to64(x), to64(dt) + to64(dt_bias), to64(A), to64(B)[:, :, None, :],
+                       to64(C)[:, :, None, :], to64(D)[:, None], None, (0.0, np.inf))
+    assert_close("untied state", to64(state), new, "float32")
+    assert_close("untied out", to64(out), ref, "float32")
+
+    dim, groups = 10, 2
+    state = randn((batch, dim, dstate))
+    state64 = to64(state)
+    x, dt = randn((batch, dim)), randn((batch, dim))
+    A, dt_bias, D = -paddle.exp(randn((dim, dstate))), randn((dim,)), randn((dim,))
+    B, C = randn((batch, groups, dstate)), randn((batch, groups, dstate))
+    out = paddle.full([batch, dim], float("nan"))
+    state_update_launch(*triton_args(state, x, dt, A, B, C, out, D, None, dt_bias), dt_softplus=True)
+    per_dim = lambda M: np.repeat(to64(M), dim // groups, axis=1)  # noqa: E731
+    new, ref = _step64(state64, to64(x), to64(dt) + to64(dt_bias), to64(A), per_dim(B), per_dim(C), to64(D), None,
+                       (0.0, np.inf))
+    assert_close("mamba1 state", to64(state), new, "float32")
+    assert_close("mamba1 out", to64(out), ref, "float32")

@@ -19,18 +19,40 @@ and ssm states); with ``seqlen_offset > 0`` it decodes token by token with ``cau
 and ``selective_state_update``. The cache is PaddleNLP's ``MambaCache`` or ``MambaInferenceCache``
 below (``conv_states[layer_idx]`` [batch, inner, conv_kernel], ``ssm_states[layer_idx]``
 [batch, inner, state], ``seqlen_offset``, advanced by the model, not by the mixer).
+
+Model parallelism (``process_group``, default fleet's model-parallel group; none without
+``fleet.init`` or with one rank), as Megatron-style Mamba-1 tensor parallelism: the inner channels
+are sharded, ``inner / world`` a rank, and each parameter holds this rank's shard, marked
+``is_distributed`` / ``split_axis`` as fleet marks its layers':
+
+    sharded    in_proj (column: ``[x_r | z_r]``, split_axis 1), conv1d, x_proj (row: its input
+               channels, split_axis 0), dt_proj (column, split_axis 1; bias 0), A_log, D,
+               out_proj.weight (row, split_axis 0)
+    replicated out_proj.bias; and the x_proj output (dt_low, B, C), the dB/dC path: every rank's
+               channels read the same dt_low, B, C, so x_proj's partial products are all-reduced
+               forward and their gradients all-reduced backward (each rank's channels add a part),
+               which keeps dt_low, B, C and their gradients identical on every rank.
+
+The input ``[batch, seqlen, hidden]`` is replicated (its gradient all-reduced); out_proj's partial
+outputs are all-reduced. Under model parallelism the mixer runs conv, x_proj, ``selective_scan_fn``
+and the projections as separate ops (``mamba_inner_fn`` computes x_proj inside, with no place for
+the all-reduce); decoding works the same way on this rank's channels. ``set_dense_state_dict`` loads
+a dense mixer's weights into the shards.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
+from ..distributed import comm
 from ..ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from ..ops.mamba import mamba_inner_fn, selective_scan_fn, selective_state_update
+from .tensor_parallel import _check_divisible, _model_parallel, _sharded_init
 
 
 class MambaInferenceCache:
@@ -52,6 +74,24 @@ class MambaInferenceCache:
         self.seqlen_offset = 0
 
 
+def take_shards(state_dict, pick):
+    """This rank's part of a dense state dict: ``pick[name] = (axis, indices)`` (indices None: the
+    whole tensor, replicated). Values may be tensors or arrays; returns numpy arrays."""
+    local = {}
+    for name, value in state_dict.items():
+        array = value.numpy() if isinstance(value, paddle.Tensor) else np.asarray(value)
+        axis, index = pick[name]
+        local[name] = array if index is None else np.take(array, index, axis=axis)
+    return local
+
+
+def mark_sharded(param, axis):
+    """fleet's marks of a parameter that holds this rank's shard along ``axis``."""
+    if param is not None:
+        param.is_distributed = True
+        param.split_axis = axis
+
+
 def _config_value(config, name, default):
     return getattr(config, name, default) if config is not None else default
 
@@ -60,12 +100,14 @@ class MambaMixer(nn.Layer):
     """Mamba-1 mixer: ``MambaMixer(config, layer_idx)`` with a PaddleNLP ``MambaConfig`` (or any
     object with its attribute names), or ``MambaMixer(d_model=..., d_state=16, d_conv=4, expand=2,
     dt_rank="auto", layer_idx=...)`` as mamba_ssm's ``Mamba``. ``checkpoint_lvl`` and ``backend`` go
-    to ``mamba_inner_fn``."""
+    to ``mamba_inner_fn``; ``process_group``: model parallelism (module docstring)."""
 
     def __init__(self, config=None, layer_idx: int = 0, *, d_model=None, d_state=16, d_conv=4, expand=2,
                  dt_rank="auto", use_bias=False, use_conv_bias=True, hidden_act="silu", dt_min=0.001, dt_max=0.1,
-                 dt_init_floor=1e-4, dt_scale=1.0, dt_init="random", checkpoint_lvl: int = 1, backend: str = "auto"):
+                 dt_init_floor=1e-4, dt_scale=1.0, dt_init="random", checkpoint_lvl: int = 1, backend: str = "auto",
+                 process_group=None):
         super().__init__()
+        self.pg = pg = _model_parallel(process_group)
         hidden = _config_value(config, "hidden_size", d_model)
         if hidden is None:
             raise ValueError("d_model: expected the hidden size (or a config with hidden_size), got None")
@@ -82,13 +124,15 @@ class MambaMixer(nn.Layer):
             raise ValueError(f"hidden_act: the fused Mamba mixer supports 'silu', got {self.activation!r}")
         self.layer_idx = layer_idx
         self.checkpoint_lvl, self.backend = checkpoint_lvl, backend
-        inner, state, rank = self.intermediate_size, self.ssm_state_size, self.time_step_rank
+        self.inner_local = _check_divisible("intermediate_size", self.intermediate_size, pg)
+        inner, state, rank = self.inner_local, self.ssm_state_size, self.time_step_rank
 
-        self.conv1d = nn.Conv1D(inner, inner, self.conv_kernel_size, padding=self.conv_kernel_size - 1, groups=inner,
-                                bias_attr=self.use_conv_bias)
-        self.in_proj = nn.Linear(self.hidden_size, 2 * inner, bias_attr=self.use_bias)
-        self.x_proj = nn.Linear(inner, rank + 2 * state, bias_attr=False)
-        self.dt_proj = nn.Linear(rank, inner, bias_attr=True)
+        with _sharded_init(pg):
+            self.conv1d = nn.Conv1D(inner, inner, self.conv_kernel_size, padding=self.conv_kernel_size - 1,
+                                    groups=inner, bias_attr=self.use_conv_bias)
+            self.in_proj = nn.Linear(self.hidden_size, 2 * inner, bias_attr=self.use_bias)
+            self.x_proj = nn.Linear(inner, rank + 2 * state, bias_attr=False)
+            self.dt_proj = nn.Linear(rank, inner, bias_attr=True)
         A = paddle.arange(1, state + 1, dtype="float32")[None, :].expand([inner, state])
         self.A_log = self.create_parameter(shape=[inner, state], dtype="float32",
                                            default_initializer=nn.initializer.Assign(paddle.log(A)))
@@ -101,6 +145,31 @@ class MambaMixer(nn.Layer):
                            _config_value(config, "time_step_min", dt_min),
                            _config_value(config, "time_step_max", dt_max),
                            _config_value(config, "time_step_floor", dt_init_floor))
+        if pg is not None:
+            for param, axis in ((self.in_proj.weight, 1), (self.in_proj.bias, 0), (self.conv1d.weight, 0),
+                                (self.conv1d.bias, 0), (self.x_proj.weight, 0), (self.dt_proj.weight, 1),
+                                (self.dt_proj.bias, 0), (self.A_log, 0), (self.D, 0), (self.out_proj.weight, 0)):
+                mark_sharded(param, axis)
+            if self.out_proj.bias is not None:  # replicated: the source rank's initial value everywhere
+                with paddle.no_grad():
+                    comm.broadcast_from_src(self.out_proj.bias, pg)
+
+    def set_dense_state_dict(self, state_dict):
+        """Load a dense (one-rank) mixer's parameters, keeping this rank's shards."""
+        self.set_state_dict(self.dense_to_local(state_dict))
+
+    def dense_to_local(self, state_dict):
+        """This rank's part of a dense mixer's state dict (or of its gradients), as numpy arrays."""
+        if self.pg is None:
+            return take_shards(state_dict, {name: (0, None) for name in state_dict})
+        inner = self.intermediate_size
+        chans = np.arange(self.pg.rank * self.inner_local, (self.pg.rank + 1) * self.inner_local)
+        in_cols = np.concatenate([chans, inner + chans])
+        return take_shards(state_dict, {
+            "in_proj.weight": (1, in_cols), "in_proj.bias": (0, in_cols), "conv1d.weight": (0, chans),
+            "conv1d.bias": (0, chans), "x_proj.weight": (0, chans), "dt_proj.weight": (1, chans),
+            "dt_proj.bias": (0, chans), "A_log": (0, chans), "D": (0, chans), "out_proj.weight": (0, chans),
+            "out_proj.bias": (0, None)})
 
     @paddle.no_grad()
     def _init_dt_proj(self, scale, scheme, dt_min, dt_max, floor):
@@ -112,7 +181,7 @@ class MambaMixer(nn.Layer):
             weight.set_value(paddle.full(weight.shape, std, dtype=weight.dtype))
         else:
             weight.set_value(paddle.uniform(weight.shape, dtype=weight.dtype, min=-std, max=std))
-        dt = paddle.exp(paddle.rand([self.intermediate_size], dtype="float32") *
+        dt = paddle.exp(paddle.rand([self.inner_local], dtype="float32") *
                         (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clip(min=floor)
         self.dt_proj.bias.set_value((dt + paddle.log(-paddle.expm1(-dt))).astype(self.dt_proj.bias.dtype))
 
@@ -120,45 +189,66 @@ class MambaMixer(nn.Layer):
         return -paddle.exp(self.A_log.astype("float32"))
 
     def _conv_weight(self):
-        return self.conv1d.weight.reshape([self.intermediate_size, self.conv_kernel_size])
+        return self.conv1d.weight.reshape([self.inner_local, self.conv_kernel_size])
 
     def forward(self, hidden_states, cache_params=None, cache=None):
         """hidden_states [batch, seqlen, hidden] -> [batch, seqlen, hidden]."""
         cache = cache_params if cache_params is not None else cache
+        if self.pg is not None:
+            hidden_states = comm.copy_to_parallel(hidden_states, self.pg)
         xz = self.in_proj(hidden_states).transpose([0, 2, 1])  # [batch, 2 * inner, seqlen]
-        if cache is None:
+        if cache is None and self.pg is None:
             return mamba_inner_fn(xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
                                   self.out_proj.weight, self.out_proj.bias, self._A(), None, None,
                                   self.D.astype("float32"), delta_bias=self.dt_proj.bias.astype("float32"),
                                   delta_softplus=True, checkpoint_lvl=self.checkpoint_lvl, is_paddle_linear=True,
                                   backend=self.backend)
         x, z = xz.chunk(2, axis=1)
-        if cache.seqlen_offset > 0:
+        if cache is not None:
+            channels = (cache.conv_states[self.layer_idx].shape[1], cache.ssm_states[self.layer_idx].shape[1])
+            if channels != (self.inner_local, self.inner_local):
+                raise ValueError(f"cache_params: expected conv and ssm states of {self.inner_local} channels (this "
+                                 f"rank's share of intermediate_size), got {channels}")
+        if cache is not None and cache.seqlen_offset > 0:
             y = self._decode(x, z, cache)
         else:
-            y = self._prefill(x, z, cache)
-        return self.out_proj(y.transpose([0, 2, 1]))
+            y = self._sequence(x, z, cache)
+        y = y.transpose([0, 2, 1])
+        if self.pg is None:
+            return self.out_proj(y)
+        out = comm.reduce_from_parallel(paddle.matmul(y, self.out_proj.weight), self.pg)
+        return out + self.out_proj.bias if self.out_proj.bias is not None else out
 
     def _ssm_inputs(self, x_tokens):
-        """x_tokens [..., inner] -> dt [..., inner] (before bias and softplus), B, C [..., state]."""
+        """x_tokens [..., inner] -> dt [..., inner] (before bias and softplus), B, C [..., state].
+        Under model parallelism x_proj's partial products are summed over the ranks (forward), and
+        so are the gradients of dt_low, B, C (backward)."""
         x_dbl = self.x_proj(x_tokens)
+        if self.pg is not None:
+            x_dbl = comm.copy_to_parallel(comm.reduce_from_parallel(x_dbl, self.pg), self.pg)
         rank, state = self.time_step_rank, self.ssm_state_size
         dt, B, C = paddle.split(x_dbl, [rank, state, state], axis=-1)
         return paddle.matmul(dt, self.dt_proj.weight), B, C
 
-    def _prefill(self, x, z, cache):
+    def _sequence(self, x, z, cache=None):
+        """Conv, projections and scan over the whole sequence; x, z [batch, inner, seqlen]. With a
+        cache, also writes this layer's conv and ssm states (prefill)."""
         width = self.conv_kernel_size
-        conv_state = cache.conv_states[self.layer_idx]
-        history = F.pad(x, [width - x.shape[-1], 0], data_format="NCL") if x.shape[-1] < width else \
-            x[:, :, x.shape[-1] - width:]
-        paddle.assign(history.astype(conv_state.dtype), output=conv_state)
+        if cache is not None:
+            conv_state = cache.conv_states[self.layer_idx]
+            history = F.pad(x, [width - x.shape[-1], 0], data_format="NCL") if x.shape[-1] < width else \
+                x[:, :, x.shape[-1] - width:]
+            paddle.assign(history.astype(conv_state.dtype), output=conv_state)
         x = causal_conv1d_fn(x, self._conv_weight(), self.conv1d.bias, activation=self.activation,
                              backend=self.backend)
         dt, B, C = self._ssm_inputs(x.transpose([0, 2, 1]))
-        y, last = selective_scan_fn(x, dt.transpose([0, 2, 1]), self._A(), B.transpose([0, 2, 1]),
-                                    C.transpose([0, 2, 1]), self.D.astype("float32"), z,
-                                    self.dt_proj.bias.astype("float32"), delta_softplus=True, return_last_state=True,
-                                    backend=self.backend)
+        out = selective_scan_fn(x, dt.transpose([0, 2, 1]), self._A(), B.transpose([0, 2, 1]),
+                                C.transpose([0, 2, 1]), self.D.astype("float32"), z,
+                                self.dt_proj.bias.astype("float32"), delta_softplus=True,
+                                return_last_state=cache is not None, backend=self.backend)
+        if cache is None:
+            return out
+        y, last = out
         ssm_state = cache.ssm_states[self.layer_idx]
         paddle.assign(last.astype(ssm_state.dtype), output=ssm_state)
         return y

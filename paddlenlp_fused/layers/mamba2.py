@@ -15,7 +15,32 @@ Paddle's ``[in, out]`` layout (transpose torch checkpoints).
   conv) and SSM state are written into the cache; at ``seqlen_offset > 0``: ``step`` token by token.
   The caller advances ``seqlen_offset`` (as ``mamba_ssm``'s generation loop does).
 
-Model parallelism (heads sharded over fleet's model-parallel group) is not implemented yet.
+Model parallelism (``process_group``, default fleet's model-parallel group; none without
+``fleet.init`` or with one rank): the heads are sharded over the ranks, ``nheads / world`` each.
+Every parameter holds this rank's shard and is marked ``is_distributed`` / ``split_axis`` as fleet's
+layers mark theirs:
+
+* ``in_proj`` column-parallel, ``split_axis`` 1, each segment split on its own: the local weight is
+  ``[z_r | x_r | B_r | C_r | dt_r]``. B and C are sharded by groups when ``ngroups`` divides by the
+  world size; with ``ngroups == 1`` they are replicated (the same columns on every rank, their
+  gradients all-reduced, since each rank's heads contribute a part); other group counts raise.
+* ``conv1d`` (``[x_r | B_r | C_r]`` channels), ``dt_bias``, ``A_log``, ``D``, ``norm.weight``:
+  ``split_axis`` 0, sharded with their heads (conv channels of replicated B/C replicated, as above).
+* the gated norm per shard when its groups (``d_inner / ngroups`` columns) lie inside a shard;
+  with ``ngroups == 1`` the mean square is all-reduced over the ranks (``norm_before_gate=False``,
+  ``mamba_ssm``'s default; ``True`` raises), so the block equals the dense one either way.
+* ``out_proj`` row-parallel (``split_axis`` 0): the partial outputs are all-reduced, or with
+  ``sequence_parallel=True`` reduce-scattered along the sequence. Its bias is replicated (marked
+  ``sequence_parallel`` then: all-reduce its gradient as for PaddleNLP's sequence-parallel
+  parameters, ``allreduce_sequence_parallel_grads``).
+
+With ``sequence_parallel=True`` the block's input and output are this rank's slice of the sequence
+in sequence-first layout ``[seqlen / world, batch, d_model]`` (PaddleNLP's sequence-parallel axis 0);
+the input is all-gathered along the sequence before ``in_proj`` (``seq_idx`` / ``cu_seqlens`` then
+describe the whole gathered sequence). Without it they are the replicated ``[batch, seqlen, d_model]``.
+``set_dense_state_dict`` loads a dense block's weights into the shards. Decoding (``inference_params``
+/ ``step``) works under model parallelism on this rank's heads, not with sequence parallel.
+``checkpoint_lvl`` goes to ``mamba_split_conv1d_scan_combined``.
 """
 
 from __future__ import annotations
@@ -24,12 +49,16 @@ import math
 
 import numpy as np
 import paddle
+import paddle.nn.functional as F
 from paddle import nn
 
+from ..distributed import comm
 from ..ops.causal_conv1d import causal_conv1d_update
 from ..ops.mamba2 import mamba2_state_update, mamba_split_conv1d_scan_combined
 from ..ops.ssd import cu_seqlens_to_seq_idx
+from .mamba import mark_sharded, take_shards
 from .norm import GatedRMSNorm
+from .tensor_parallel import _check_divisible, _model_parallel, _sharded_init
 
 
 class Mamba2InferenceParams:
@@ -63,12 +92,8 @@ class Mamba2Block(nn.Layer):
                  ngroups: int = 1, chunk_size: int = 256, A_init_range=(1, 16), dt_min: float = 0.001,
                  dt_max: float = 0.1, dt_init_floor: float = 1e-4, dt_limit=(0.0, float("inf")), bias: bool = False,
                  conv_bias: bool = True, norm_before_gate: bool = False, layer_idx=None, backend: str = "auto",
-                 process_group=None, sequence_parallel: bool = False):
+                 process_group=None, sequence_parallel: bool = False, checkpoint_lvl: int = 1):
         super().__init__()
-        if process_group is not None or sequence_parallel:
-            raise NotImplementedError("Mamba2Block: model/sequence parallelism (heads sharded over a process "
-                                      "group) is not implemented yet; use process_group=None, "
-                                      "sequence_parallel=False")
         d_inner = expand * d_model
         if d_inner % headdim:
             raise ValueError(f"headdim: expected a divisor of expand * d_model = {d_inner}, got {headdim}")
@@ -77,30 +102,139 @@ class Mamba2Block(nn.Layer):
             raise ValueError(f"ngroups: expected a positive divisor of nheads = {nheads}, got {ngroups}")
         if not 0 < A_init_range[0] <= A_init_range[1]:
             raise ValueError(f"A_init_range: expected 0 < low <= high, got {A_init_range}")
+        if isinstance(checkpoint_lvl, bool) or checkpoint_lvl not in (0, 1):
+            raise ValueError(f"checkpoint_lvl: expected 0 or 1, got {checkpoint_lvl!r}")
+        self.pg = pg = _model_parallel(process_group)
+        world, rank = (pg.world_size, pg.rank) if pg is not None else (1, 0)
+        if sequence_parallel and pg is None:
+            sequence_parallel = False  # one rank: the whole sequence is local
         self.d_model, self.d_state, self.d_conv, self.expand = d_model, d_state, d_conv, expand
         self.d_inner, self.headdim, self.nheads, self.ngroups = d_inner, headdim, nheads, ngroups
         self.chunk_size, self.dt_limit, self.layer_idx = chunk_size, tuple(dt_limit), layer_idx
+        self.sequence_parallel, self.checkpoint_lvl = sequence_parallel, checkpoint_lvl
         self.activation = "silu"
         self._backend = backend
-        self.conv_dim = d_inner + 2 * ngroups * d_state
-        d_in_proj = 2 * d_inner + 2 * ngroups * d_state + nheads
+        # this rank's sizes (all of them with one rank)
+        self.nheads_local = _check_divisible("nheads", nheads, pg)
+        self.d_inner_local = self.nheads_local * headdim
+        self.bc_replicated = world > 1 and ngroups % world != 0
+        if self.bc_replicated and ngroups != 1:
+            raise ValueError(f"ngroups: under model parallelism expected 1 or a multiple of the world size {world}, "
+                             f"got {ngroups}")
+        self.ngroups_local = ngroups if self.bc_replicated else ngroups // world
+        # the norm's groups span the shards exactly when B/C are replicated (ngroups 1, world > 1)
+        self.norm_spans_ranks = self.bc_replicated
+        if self.norm_spans_ranks and norm_before_gate:
+            raise NotImplementedError("Mamba2Block: norm_before_gate=True with ngroups=1 under model parallelism "
+                                      "(a norm group spanning the ranks) is not implemented; use "
+                                      "norm_before_gate=False or ngroups divisible by the world size")
+        self.conv_dim = self.d_inner_local + 2 * self.ngroups_local * d_state
+        d_in_proj = 2 * self.d_inner_local + 2 * self.ngroups_local * d_state + self.nheads_local
 
-        self.in_proj = nn.Linear(d_model, d_in_proj, weight_attr=_torch_default_uniform(d_model),
-                                 bias_attr=_torch_default_uniform(d_model) if bias else False)
-        self.conv1d = nn.Conv1D(self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim, padding=d_conv - 1,
-                                weight_attr=_torch_default_uniform(d_conv),
-                                bias_attr=_torch_default_uniform(d_conv) if conv_bias else False)
-        # dt_bias = softplus^-1(dt), dt log-uniform in [dt_min, dt_max] (floored)
+        with _sharded_init(pg):
+            self.in_proj = nn.Linear(d_model, d_in_proj, weight_attr=_torch_default_uniform(d_model),
+                                     bias_attr=_torch_default_uniform(d_model) if bias else False)
+            self.conv1d = nn.Conv1D(self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim, padding=d_conv - 1,
+                                    weight_attr=_torch_default_uniform(d_conv),
+                                    bias_attr=_torch_default_uniform(d_conv) if conv_bias else False)
+            self.out_proj = nn.Linear(self.d_inner_local, d_model, weight_attr=_torch_default_uniform(d_inner),
+                                      bias_attr=False)
+        # the replicated out_proj bias: drawn outside the model-parallel RNG, made the source rank's below
+        if bias:
+            self.out_proj.bias = self.out_proj.create_parameter(
+                [d_model], attr=_torch_default_uniform(d_inner), dtype=self.out_proj.weight.dtype, is_bias=True)
+        # dt_bias = softplus^-1(dt), dt log-uniform in [dt_min, dt_max] (floored); drawn for all heads
+        # from the global RNG (the same on every rank), each rank keeping its heads
+        heads = slice(rank * self.nheads_local, (rank + 1) * self.nheads_local)
         dt = np.exp(np.random.rand(nheads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
         dt = np.maximum(dt, dt_init_floor)
         inv_dt = dt + np.log(-np.expm1(-dt))
-        self.dt_bias = self._no_decay_param(inv_dt)
-        self.A_log = self._no_decay_param(np.log(np.random.uniform(*A_init_range, size=nheads)))
-        self.D = self._no_decay_param(np.ones(nheads))
-        self.norm = GatedRMSNorm(d_inner, epsilon=1e-5, group_size=d_inner // ngroups,
+        self.dt_bias = self._no_decay_param(inv_dt[heads])
+        self.A_log = self._no_decay_param(np.log(np.random.uniform(*A_init_range, size=nheads))[heads])
+        self.D = self._no_decay_param(np.ones(nheads)[heads])
+        group_size = d_inner // ngroups
+        self.norm = GatedRMSNorm(self.d_inner_local, epsilon=1e-5,
+                                 group_size=self.d_inner_local if self.norm_spans_ranks else group_size,
                                  norm_before_gate=norm_before_gate, backend=backend)
-        self.out_proj = nn.Linear(d_inner, d_model, weight_attr=_torch_default_uniform(d_inner),
-                                  bias_attr=_torch_default_uniform(d_inner) if bias else False)
+        if pg is not None:
+            mark_sharded(self.in_proj.weight, 1)
+            for param in (self.in_proj.bias, self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D,
+                          self.norm.weight, self.out_proj.weight):
+                mark_sharded(param, 0)
+            if self.out_proj.bias is not None:
+                with paddle.no_grad():
+                    comm.broadcast_from_src(self.out_proj.bias, pg)
+                self.out_proj.bias.sequence_parallel = sequence_parallel
+            if self.bc_replicated:
+                self._sync_replicated_bc()
+
+    # ------------------------------------------------------------------------------------------
+    # model-parallel bookkeeping
+
+    def _bc_columns(self):
+        """(start, stop) of the B and C columns in in_proj's local output (and conv channels, less
+        d_inner_local)."""
+        start = 2 * self.d_inner_local
+        return start, start + 2 * self.ngroups_local * self.d_state
+
+    @paddle.no_grad()
+    def _sync_replicated_bc(self):
+        """Make the replicated B/C columns of in_proj and channels of conv1d those of the source rank."""
+        a, b = self._bc_columns()
+        ca, cb = a - self.d_inner_local, b - self.d_inner_local
+        for param, axis, lo, hi in ((self.in_proj.weight, 1, a, b), (self.in_proj.bias, 0, a, b),
+                                    (self.conv1d.weight, 0, ca, cb), (self.conv1d.bias, 0, ca, cb)):
+            if param is None:
+                continue
+            index = [slice(None)] * param.ndim
+            index[axis] = slice(lo, hi)
+            part = param[tuple(index)].contiguous()
+            comm.broadcast_from_src(part, self.pg)
+            full = param.clone()
+            full[tuple(index)] = part
+            param.set_value(full)
+
+    def _replicated_grads(self, t, axis, lo, hi):
+        """t with its [lo, hi) slice along ``axis`` passed through copy_to_parallel: the gradient of
+        that replicated slice is all-reduced over the ranks (each rank's heads add their part)."""
+        if t is None or not self.bc_replicated:
+            return t
+        parts = paddle.split(t, [lo, hi - lo, t.shape[axis] - hi], axis=axis)
+        return paddle.concat([parts[0], comm.copy_to_parallel(parts[1], self.pg), parts[2]], axis=axis)
+
+    def _local_weights(self):
+        """(in_proj weight, in_proj bias, conv weight, conv bias) as this rank's forward uses them."""
+        a, b = self._bc_columns()
+        ca, cb = a - self.d_inner_local, b - self.d_inner_local
+        return (self._replicated_grads(self.in_proj.weight, 1, a, b),
+                self._replicated_grads(self.in_proj.bias, 0, a, b),
+                self._replicated_grads(self.conv1d.weight, 0, ca, cb),
+                self._replicated_grads(self.conv1d.bias, 0, ca, cb))
+
+    def set_dense_state_dict(self, state_dict):
+        """Load a dense (one-rank) block's parameters, keeping this rank's shards. ``state_dict``
+        maps the dense names to tensors or arrays; the dense block must have this block's options."""
+        self.set_state_dict(self.dense_to_local(state_dict))
+
+    def dense_to_local(self, state_dict):
+        """This rank's part of a dense block's state dict (or of its gradients), as numpy arrays."""
+        if self.pg is None:
+            return take_shards(state_dict, {name: (0, None) for name in state_dict})
+        rank, h_l, n = self.pg.rank, self.nheads_local, self.d_state
+        di, di_l, g_l = self.d_inner, self.d_inner_local, self.ngroups_local
+        heads = np.arange(rank * h_l, (rank + 1) * h_l)
+        chans = np.arange(rank * di_l, (rank + 1) * di_l)
+        groups = np.arange(self.ngroups) if self.bc_replicated else np.arange(rank * g_l, (rank + 1) * g_l)
+        bc = (groups[:, None] * n + np.arange(n)[None, :]).reshape(-1)
+        gdim = self.ngroups * n
+        in_cols = np.concatenate([chans, di + chans, 2 * di + bc, 2 * di + gdim + bc, 2 * di + 2 * gdim + heads])
+        conv_rows = np.concatenate([chans, di + bc, di + gdim + bc])
+        return take_shards(state_dict, {
+            "in_proj.weight": (1, in_cols), "in_proj.bias": (0, in_cols), "conv1d.weight": (0, conv_rows),
+            "conv1d.bias": (0, conv_rows), "dt_bias": (0, heads), "A_log": (0, heads), "D": (0, heads),
+            "norm.weight": (0, chans), "out_proj.weight": (0, chans), "out_proj.bias": (0, None)})
+
+    # ------------------------------------------------------------------------------------------
 
     def _no_decay_param(self, values):
         param = self.create_parameter([len(values)], dtype="float32",
@@ -114,9 +248,55 @@ class Mamba2Block(nn.Layer):
     def _conv_weight(self):
         return self.conv1d.weight.reshape([self.conv_dim, self.d_conv])
 
+    def _norm_across_ranks(self, y):
+        """``rmsnorm(y) * weight`` over all d_inner columns of the ranks (y already gated): the sum of
+        squares is all-reduced forward and backward (every rank's columns depend on it)."""
+        yf = y.astype("float32")
+        sq = comm.reduce_from_parallel((yf * yf).sum(axis=-1, keepdim=True), self.pg)
+        sq = comm.copy_to_parallel(sq, self.pg)
+        normed = yf * paddle.rsqrt(sq / self.d_inner + self.norm.eps) * self.norm.weight.astype("float32")
+        return normed.astype(y.dtype)
+
+    def _sequence(self, u, seq_idx=None, return_final_states=False):
+        """The block on a whole sequence: u ``[batch, seqlen, d_model]`` (replicated; with sequence
+        parallel the gathered, transposed input). Returns (out before the reduction and out_proj's
+        bias, zxbcdt, final states or None)."""
+        w_in, b_in, conv_w, conv_b = self._local_weights()
+        zxbcdt = paddle.matmul(u, w_in) + (b_in if b_in is not None else 0.0)
+        common = dict(seq_idx=seq_idx, dt_limit=self.dt_limit, return_final_states=return_final_states,
+                      activation=self.activation, headdim=self.headdim, ngroups=self.ngroups_local,
+                      checkpoint_lvl=self.checkpoint_lvl, backend=self._backend)
+        if self.norm_spans_ranks:  # the gated y from the op, the norm and projection here
+            res = mamba_split_conv1d_scan_combined(zxbcdt, conv_w, conv_b, self.dt_bias, self._A(), self.D,
+                                                   self.chunk_size, **common)
+            y, final_states = res if return_final_states else (res, None)
+            out = paddle.matmul(self._norm_across_ranks(y), self.out_proj.weight)
+        else:
+            res = mamba_split_conv1d_scan_combined(
+                zxbcdt, conv_w, conv_b, self.dt_bias, self._A(), self.D, self.chunk_size,
+                rmsnorm_weight=self.norm.weight, rmsnorm_eps=self.norm.eps, outproj_weight=self.out_proj.weight,
+                norm_before_gate=self.norm.norm_before_gate, **common)
+            out, final_states = res if return_final_states else (res, None)
+        return out, zxbcdt, final_states
+
+    def _finish(self, partial, sequence_parallel=False):
+        """Sum the ranks' partial outputs (all-reduce, or reduce-scatter along axis 0) and add the bias."""
+        if self.pg is not None:
+            partial = comm.reduce_scatter_sequence(partial, self.pg) if sequence_parallel else \
+                comm.reduce_from_parallel(partial, self.pg)
+        return partial + self.out_proj.bias if self.out_proj.bias is not None else partial
+
     def forward(self, u, seq_idx=None, cu_seqlens=None, inference_params=None):
         if u.ndim != 3 or u.shape[-1] != self.d_model:
-            raise ValueError(f"u: expected [batch, seqlen, d_model={self.d_model}], got {list(u.shape)}")
+            layout = "[seqlen / world, batch" if self.sequence_parallel else "[batch, seqlen"
+            raise ValueError(f"u: expected {layout}, d_model={self.d_model}], got {list(u.shape)}")
+        if self.sequence_parallel:
+            if inference_params is not None:
+                raise NotImplementedError("Mamba2Block: decoding (inference_params) with sequence_parallel=True is "
+                                          "not implemented; build the block without sequence parallel to decode")
+            u = comm.all_gather_sequence(u, self.pg).transpose([1, 0, 2])  # [batch, seqlen, d_model]
+        elif self.pg is not None:
+            u = comm.copy_to_parallel(u, self.pg)
         batch, seqlen, _ = u.shape
         if cu_seqlens is not None:
             if seq_idx is not None:
@@ -135,36 +315,29 @@ class Mamba2Block(nn.Layer):
             if inference_params.seqlen_offset > 0:
                 return paddle.stack([self.step(u[:, t], conv_state, ssm_state) for t in range(seqlen)], axis=1)
             return self._prefill(u, conv_state, ssm_state)
-        return mamba_split_conv1d_scan_combined(
-            self.in_proj(u), self.conv1d.weight, self.conv1d.bias, self.dt_bias, self._A(), self.D,
-            self.chunk_size, seq_idx=seq_idx, dt_limit=self.dt_limit, activation=self.activation,
-            rmsnorm_weight=self.norm.weight, rmsnorm_eps=self.norm.eps, outproj_weight=self.out_proj.weight,
-            outproj_bias=self.out_proj.bias, headdim=self.headdim, ngroups=self.ngroups,
-            norm_before_gate=self.norm.norm_before_gate, backend=self._backend)
+        out, _, _ = self._sequence(u, seq_idx)
+        if self.sequence_parallel:
+            return self._finish(out.transpose([1, 0, 2]), sequence_parallel=True)
+        return self._finish(out)
 
     def _prefill(self, u, conv_state, ssm_state):
         """The full forward that also fills this layer's cache (no packed sequences)."""
-        zxbcdt = self.in_proj(u)
-        xBC = zxbcdt[:, :, self.d_inner:self.d_inner + self.conv_dim].transpose([0, 2, 1])  # [b, conv_dim, l]
+        out, zxbcdt, final_states = self._sequence(u, return_final_states=True)
+        xBC = zxbcdt[:, :, self.d_inner_local:self.d_inner_local + self.conv_dim].transpose([0, 2, 1])
         seqlen = xBC.shape[-1]
         last = xBC[:, :, max(0, seqlen - self.d_conv):]  # mamba_ssm keeps the last d_conv conv inputs
         if last.shape[-1] < self.d_conv:
             last = paddle.concat([paddle.zeros([last.shape[0], self.conv_dim, self.d_conv - last.shape[-1]],
                                                dtype=last.dtype), last], axis=-1)
-        out, final_states = mamba_split_conv1d_scan_combined(
-            zxbcdt, self.conv1d.weight, self.conv1d.bias, self.dt_bias, self._A(), self.D, self.chunk_size,
-            dt_limit=self.dt_limit, return_final_states=True, activation=self.activation,
-            rmsnorm_weight=self.norm.weight, rmsnorm_eps=self.norm.eps, outproj_weight=self.out_proj.weight,
-            outproj_bias=self.out_proj.bias, headdim=self.headdim, ngroups=self.ngroups,
-            norm_before_gate=self.norm.norm_before_gate, backend=self._backend)
         paddle.assign(last.detach().astype(conv_state.dtype), output=conv_state)
         paddle.assign(final_states.detach().astype(ssm_state.dtype), output=ssm_state)
-        return out
+        return self._finish(out)
 
     def step(self, u, conv_state, ssm_state):
-        """One decoding token: u ``[batch, d_model]`` (or ``[batch, 1, d_model]``); conv_state
-        ``[batch, conv_dim, d_conv]`` and ssm_state ``[batch, nheads, headdim, d_state]`` updated in
-        place. Returns ``[batch, d_model]`` (``[batch, 1, d_model]`` for a 3-axis u)."""
+        """One decoding token: u ``[batch, d_model]`` (or ``[batch, 1, d_model]``), replicated over the
+        ranks; conv_state ``[batch, conv_dim, d_conv]`` and ssm_state ``[batch, nheads, headdim,
+        d_state]`` (this rank's channels and heads) updated in place. Returns ``[batch, d_model]``
+        (``[batch, 1, d_model]`` for a 3-axis u)."""
         squeeze = u.ndim == 3
         if squeeze:
             if u.shape[1] != 1:
@@ -173,25 +346,30 @@ class Mamba2Block(nn.Layer):
         if u.ndim != 2 or u.shape[-1] != self.d_model:
             raise ValueError(f"u: expected [batch, d_model={self.d_model}], got {list(u.shape)}")
         batch = u.shape[0]
-        gdim = self.ngroups * self.d_state
-        z, xBC, dt = paddle.split(self.in_proj(u), [self.d_inner, self.conv_dim, self.nheads], axis=-1)
+        gdim = self.ngroups_local * self.d_state
+        z, xBC, dt = paddle.split(self.in_proj(u), [self.d_inner_local, self.conv_dim, self.nheads_local], axis=-1)
         xBC = causal_conv1d_update(xBC, conv_state, self._conv_weight(), self.conv1d.bias, self.activation,
                                    backend=self._backend)
-        x, B, C = paddle.split(xBC, [self.d_inner, gdim, gdim], axis=-1)
-        y = mamba2_state_update(ssm_state, x.reshape([batch, self.nheads, self.headdim]), dt, self._A(),
-                                B.reshape([batch, self.ngroups, self.d_state]),
-                                C.reshape([batch, self.ngroups, self.d_state]), D=self.D, dt_bias=self.dt_bias,
-                                dt_softplus=True, dt_limit=self.dt_limit)
-        out = self.out_proj(self.norm(y.reshape([batch, self.d_inner]), z))
+        x, B, C = paddle.split(xBC, [self.d_inner_local, gdim, gdim], axis=-1)
+        y = mamba2_state_update(ssm_state, x.reshape([batch, self.nheads_local, self.headdim]), dt, self._A(),
+                                B.reshape([batch, self.ngroups_local, self.d_state]),
+                                C.reshape([batch, self.ngroups_local, self.d_state]), D=self.D, dt_bias=self.dt_bias,
+                                dt_softplus=True, dt_limit=self.dt_limit, backend=self._backend)
+        y = y.reshape([batch, self.d_inner_local])
+        if self.norm_spans_ranks:
+            y = self._norm_across_ranks(y * F.silu(z.astype("float32")).astype(y.dtype))
+        else:
+            y = self.norm(y, z)
+        out = self._finish(paddle.matmul(y, self.out_proj.weight))
         return out[:, None] if squeeze else out
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int = None, dtype=None):
         """Zeroed ``(conv_state [batch, conv_dim, d_conv], ssm_state [batch, nheads, headdim, d_state])``
-        in ``dtype`` (default: the conv weight's / in_proj weight's dtype). ``max_seqlen`` is unused:
-        the states do not grow with the sequence."""
+        (this rank's channels and heads) in ``dtype`` (default: the conv weight's / in_proj weight's
+        dtype). ``max_seqlen`` is unused: the states do not grow with the sequence."""
         conv_state = paddle.zeros([batch_size, self.conv_dim, self.d_conv],
                                   dtype=dtype or self.conv1d.weight.dtype)
-        ssm_state = paddle.zeros([batch_size, self.nheads, self.headdim, self.d_state],
+        ssm_state = paddle.zeros([batch_size, self.nheads_local, self.headdim, self.d_state],
                                  dtype=dtype or self.in_proj.weight.dtype)
         return conv_state, ssm_state
 
@@ -209,4 +387,5 @@ class Mamba2Block(nn.Layer):
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_state={self.d_state}, d_conv={self.d_conv}, expand={self.expand}, "
                 f"headdim={self.headdim}, ngroups={self.ngroups}, chunk_size={self.chunk_size}, "
-                f"backend={self._backend}")
+                f"backend={self._backend}, model_parallel={self.pg.world_size if self.pg else 1}, "
+                f"sequence_parallel={self.sequence_parallel}")
