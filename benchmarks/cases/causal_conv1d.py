@@ -1,17 +1,29 @@
 """Causal depthwise conv1d fwd / fwd+bwd (PERFORMANCE.md): x [8, 4096, 2048] bf16 (channel-first),
-width 4, bias, silu. Our Triton kernels against the torch composition (``F.conv1d`` with padding
-w - 1 and groups = dim, truncated, then silu) in the same process.
+width 4, bias, silu. Our Triton and CUDA kernels against the torch composition (``F.conv1d`` with
+padding w - 1 and groups = dim, truncated, then silu) in the same process.
 
 Bytes (bf16): forward reads x and writes out (2 elements a position); the backward reads x and dout
-and writes dx (3 more). ``sweep`` times other tile shapes (dims a program x positions it walks).
+and writes dx (3 more). ``TBps`` rows are those bytes over the time (the copy ceiling, measured by
+run.py in the same run, is the bound). ``channel_last`` times both backends with x, out, dout and dx
+stored [b, l, d];
+``sweep`` times other Triton tiles (dims x positions a tile, warps; the backward's segment).
 """
 
 from __future__ import annotations
 
 from common import TBps, bench_ms, peak_GiB
 
-from paddlenlp_fused.kernels.triton import causal_conv1d as K
+from paddlenlp_fused.kernels.cuda import causal_conv1d as CK
+from paddlenlp_fused.kernels.cuda import library
+from paddlenlp_fused.kernels.triton import causal_conv1d as TK
 from paddlenlp_fused.testing.numerics import rel_err
+
+# Round A's sweep on the H200 (fwd: 1x1024, 2x512, 4x1024/8 warps, 8x256, 16x128, 4x256/2 warps all
+# 0.108-0.114 ms; bwd: 4x256 in 512-position segments 0.395 ms, 16x64/1024 0.406, 8x128/1024 0.408,
+# 8x256/2048 0.441, 1x1024/2048 0.451, 2x512/2048 0.480) chose the defaults; these few stay timed.
+TRITON_FWD_SWEEP = [dict(block_d=8, block_l=256, num_warps=4)]
+TRITON_BWD_SWEEP = [dict(block_d=16, block_l=64, segment=1024, num_warps=4),
+                    dict(block_d=4, block_l=256, segment=2048, num_warps=4)]
 
 
 def run(provider, quick: bool = False) -> dict:
@@ -25,20 +37,29 @@ def run(provider, quick: bool = False) -> dict:
     weight, bias = provider.randn((dim, width), dtype, scale=0.5), provider.randn((dim,), dtype)
     out, dx = provider.empty(shape, dtype), provider.empty(shape, dtype)
     dw, db = provider.zeros((dim, width), "float32"), provider.zeros((dim,), "float32")
+    backends = {"paddlenlp_fused/triton": TK}
+    if library.load()[0] is not None:
+        backends["paddlenlp_fused/cuda"] = CK
 
-    def fwd(block_d=None, segment=None):
-        K.causal_conv1d_fwd(x, weight, out, bias, activation="silu", block_d=block_d, segment=segment)
+    def timings(K, xx, yy=out, gg=dout, dxx=dx, **tile):
+        """fwd, bwd, fwd+bwd closures on input xx, output yy, gradient gg and dx dxx."""
+        fwd_tile = {k: v for k, v in tile.items() if k != "segment"}
 
-    def bwd(block_d=None, segment=None):
-        dw.zero_()
-        db.zero_()
-        K.causal_conv1d_bwd(x, weight, dout, dx, dw, bias, db, activation="silu", block_d=block_d, segment=segment)
+        def fwd():
+            K.causal_conv1d_fwd(xx, weight, yy, bias, activation="silu", **fwd_tile)
 
-    def fwdbwd():
-        fwd()
-        bwd()
+        def bwd():
+            dw.zero_()
+            db.zero_()
+            K.causal_conv1d_bwd(xx, weight, gg, dxx, dw, bias, db, activation="silu", **tile)
 
-    def fwdbwd_alloc():
+        def fwdbwd():
+            fwd()
+            bwd()
+
+        return fwd, bwd, fwdbwd
+
+    def fwdbwd_alloc(K):
         o, g = provider.empty(shape, dtype), provider.empty(shape, dtype)
         gw, gb = provider.zeros((dim, width), "float32"), provider.zeros((dim,), "float32")
         K.causal_conv1d_fwd(x, weight, o, bias, activation="silu")
@@ -49,13 +70,16 @@ def run(provider, quick: bool = False) -> dict:
         return F.silu(F.conv1d(xx, ww[:, None, :], bb, padding=width - 1, groups=dim)[..., :seqlen])
 
     with torch.no_grad():
-        ref = torch_conv(x.double(), weight.double(), bias.double())
+        ref = torch_conv(x.double(), weight.double(), bias.double()).cpu().numpy()
     grad_bytes = batch * dim * seqlen * esize  # dx (dweight, dbias are negligible)
-    fwd()
-    provider.synchronize()
-    rows = [{"impl": "paddlenlp_fused/triton", "fwd_ms": bench_ms(fwd), "fwdbwd_ms": bench_ms(fwdbwd),
-             "peak_GiB": peak_GiB(provider, fwdbwd_alloc, exclude_bytes=grad_bytes),
-             "rel_err": rel_err(out.double().cpu().numpy(), ref.cpu().numpy())}]
+    rows = []
+    for impl, K in backends.items():
+        fwd, _, fwdbwd = timings(K, x)
+        fwd()
+        provider.synchronize()
+        rows.append({"impl": impl, "fwd_ms": bench_ms(fwd), "fwdbwd_ms": bench_ms(fwdbwd),
+                     "peak_GiB": peak_GiB(provider, lambda K=K: fwdbwd_alloc(K), exclude_bytes=grad_bytes),
+                     "rel_err": rel_err(out.double().cpu().numpy(), ref)})
 
     tx, tw, tb = (t.detach().clone().requires_grad_(True) for t in (x, weight, bias))
 
@@ -70,23 +94,36 @@ def run(provider, quick: bool = False) -> dict:
     t_out = torch_fwd()
     rows.append({"impl": "torch", "fwd_ms": bench_ms(torch_fwd), "fwdbwd_ms": bench_ms(torch_fwdbwd),
                  "peak_GiB": peak_GiB(provider, torch_fwdbwd, exclude_bytes=grad_bytes),
-                 "rel_err": rel_err(t_out.double().cpu().numpy(), ref.cpu().numpy())})
-    del t_out, ref
+                 "rel_err": rel_err(t_out.double().cpu().numpy(), ref)})
+    del t_out, ref, tx, tw, tb
 
     fwd_bytes = 2 * batch * dim * seqlen * esize
     fwdbwd_bytes = 5 * batch * dim * seqlen * esize
     for row in rows:
         row["fwd_TBps"] = TBps(fwd_bytes, row["fwd_ms"])
         row["fwdbwd_TBps"] = TBps(fwdbwd_bytes, row["fwdbwd_ms"])
-        row["speedup_vs_torch"] = rows[1]["fwdbwd_ms"] / row["fwdbwd_ms"]
+        row["speedup_vs_torch"] = rows[-1]["fwdbwd_ms"] / row["fwdbwd_ms"]
+
+    # channel-last x, out, dout, dx (stored [b, l, d]) on both backends
+    x_last, dout_last = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (x, dout))
+    out_last, dx_last = torch.empty_like(x_last), torch.empty_like(x_last)
+    channel_last = []
+    for impl, K in backends.items():
+        fwd, bwd, _ = timings(K, x_last, out_last, dout_last, dx_last)
+        channel_last.append({"impl": impl, "fwd_ms": bench_ms(fwd), "bwd_ms": bench_ms(bwd)})
+        print(f"channel-last {impl}: fwd {channel_last[-1]['fwd_ms']:.4f} ms, bwd {channel_last[-1]['bwd_ms']:.4f} ms")
 
     sweep = []
     if not quick:
-        for block_d, segment in ((32, 256), (64, 256), (128, 256), (64, 128), (64, 512), (64, 2048)):
-            sweep.append({"block_d": block_d, "segment": segment,
-                          "fwd_ms": bench_ms(lambda: fwd(block_d, segment)),
-                          "bwd_ms": bench_ms(lambda: bwd(block_d, segment))})
+        for tile in TRITON_FWD_SWEEP:
+            fwd = timings(TK, x, **tile)[0]
+            sweep.append({"pass": "fwd", **tile, "ms": bench_ms(fwd)})
+            print(f"triton sweep {sweep[-1]}")
+        for tile in TRITON_BWD_SWEEP:
+            bwd = timings(TK, x, **tile)[1]
+            sweep.append({"pass": "bwd", **tile, "ms": bench_ms(bwd)})
+            print(f"triton sweep {sweep[-1]}")
     return {"shape": {"batch": batch, "dim": dim, "seqlen": seqlen, "width": width, "dtype": dtype,
                       "layout": "channel-first", "bias": True, "activation": "silu"},
-            "bytes": {"fwd": fwd_bytes, "fwdbwd": fwdbwd_bytes}, "rows": rows, "sweep": sweep,
-            "target": {"fwd_ms": 0.08, "fwdbwd_ms": 0.25}}
+            "bytes": {"fwd": fwd_bytes, "fwdbwd": fwdbwd_bytes}, "rows": rows, "channel_last": channel_last,
+            "sweep": sweep, "target": {"fwd_ms": 0.08, "fwdbwd_ms": 0.25}}

@@ -7,9 +7,9 @@
   ``initial_states`` / final states ``[batch, dim, width - 1]``.
 * ``causal_conv1d_update``: decoding step(s), state updated in place (no autograd).
 
-Backends: ``triton`` (``kernels/triton/causal_conv1d.py`` inside a PyLayer) and ``reference`` (pure
-Paddle, float32). A ``cuda`` backend is not implemented yet: asking for it raises
-``BackendUnavailableError``.
+Backends: ``cuda`` (``csrc/causal_conv1d.cu``, widths 2 to 4) and ``triton``
+(``kernels/triton/causal_conv1d.py``, any width), each inside the same PyLayer, and ``reference``
+(pure Paddle, float32). ``causal_conv1d_update`` has the same three.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import paddle
 from paddle.autograd import PyLayer
 
+from ..kernels.cuda import causal_conv1d as cuda_conv
 from ..kernels.triton import causal_conv1d as conv_kernels
 from ..reference import mamba as ref
 from ..runtime.backend import resolve_backend
@@ -24,7 +25,7 @@ from ..runtime.triton_paddle import triton_args
 from ._checks import check_tensor, contiguous, device_of
 from ._pylayer import cast_like, check_shape, empty_on, grads_for, needs_grad, run_in_place, zeros32_on
 
-IMPLEMENTED = ("triton", "reference")
+IMPLEMENTED = ("cuda", "triton", "reference")
 CONV_ACTIVATIONS = (None, "silu", "swish")
 _INT_DTYPES = ("int32", "int64")
 
@@ -66,36 +67,74 @@ def _check_conv_args(x, weight, bias, seq_idx, initial_states, activation):
     return weight
 
 
-def conv_launch_fwd(x, weight, bias, seq_idx, initial_states, activation):
+# ``auto`` on the GPU tries Triton first, then CUDA. From benchmarks/results/causal_conv1d.json (H200,
+# [8, 4096, 2048] bf16, width 4, bias, silu; the ops hand the kernels channel-first x): Triton fwd
+# 0.108 ms, fwd+bwd 0.502 ms; CUDA 0.151 / 0.527 ms. (CUDA's backward is the faster one only on
+# channel-last x, 0.59 vs 1.21 ms, which the ops never pass: they make x contiguous.) The decoding
+# step follows the same order (not timed).
+AUTO_ORDER = ("triton", "cuda")
+_KERNELS = {"triton": conv_kernels, "cuda": cuda_conv}
+
+
+def cuda_unsupported(width: int, seqlen: int = 0):
+    """Why the CUDA kernels cannot take this conv (x made contiguous), or None."""
+    if not cuda_conv.MIN_WIDTH <= width <= cuda_conv.MAX_WIDTH:
+        return f"width {width} (the CUDA kernels take {cuda_conv.MIN_WIDTH} to {cuda_conv.MAX_WIDTH})"
+    if seqlen > cuda_conv.MAX_SEQLEN_CHANNEL_FIRST:
+        return f"seqlen {seqlen} (the CUDA kernels take at most {cuda_conv.MAX_SEQLEN_CHANNEL_FIRST})"
+    return None
+
+
+def choose_backend(op, backend, x, width):
+    """The backend for one conv (see ``resolve_backend``)."""
+    seqlen = x.shape[2] if x.ndim == 3 else 1
+    return resolve_backend(op, backend, device_of(x), implemented=IMPLEMENTED, prefer=AUTO_ORDER,
+                           unsupported=lambda name: cuda_unsupported(width, seqlen) if name == "cuda" else None)
+
+
+def _launch(backend, name, *tensors, **options):
+    """Launcher ``name`` of ``backend`` on positional tensors (wrapped for Triton)."""
+    if backend == "triton":
+        tensors = triton_args(*tensors)
+    getattr(_KERNELS[backend], name)(*tensors, **options)
+
+
+def conv_launch_fwd(x, weight, bias, seq_idx, initial_states, activation, backend="triton"):
+    """out = act(conv(x)) on ``backend`` ('triton' or 'cuda'; 'auto' chooses as ``causal_conv1d_fn``)."""
+    if backend not in _KERNELS:
+        backend = choose_backend("causal_conv1d", backend, x, weight.shape[-1])
     out = empty_on(x.shape, x.dtype, x)
-    conv_kernels.causal_conv1d_fwd(*triton_args(x, weight, out, bias, seq_idx, initial_states), activation=activation)
+    _launch(backend, "causal_conv1d_fwd", x, weight, out, bias, seq_idx, initial_states, activation=activation)
     return out
 
 
-def conv_launch_bwd(x, weight, bias, seq_idx, initial_states, dout, activation):
-    """(dx, dweight, dbias, dinitial_states) in the inputs' dtypes."""
+def conv_launch_bwd(x, weight, bias, seq_idx, initial_states, dout, activation, backend="triton"):
+    """(dx, dweight, dbias, dinitial_states) in the inputs' dtypes, on ``backend`` (as ``conv_launch_fwd``)."""
+    if backend not in _KERNELS:
+        backend = choose_backend("causal_conv1d", backend, x, weight.shape[-1])
     dx = empty_on(x.shape, x.dtype, x)
     dweight = zeros32_on(weight.shape, x)
     dbias = None if bias is None else zeros32_on(bias.shape, x)
     dinit = None if initial_states is None else empty_on(initial_states.shape, initial_states.dtype, x)
-    conv_kernels.causal_conv1d_bwd(*triton_args(x, weight, contiguous(dout), dx, dweight, bias, dbias, seq_idx,
-                                                initial_states, dinit), activation=activation)
+    _launch(backend, "causal_conv1d_bwd", x, weight, contiguous(dout), dx, dweight, bias, dbias, seq_idx,
+            initial_states, dinit, activation=activation)
     return dx, cast_like(dweight, weight), cast_like(dbias, bias), dinit
 
 
 class CausalConv1dFunction(PyLayer):
     @staticmethod
-    def forward(ctx, x, weight, bias, seq_idx, initial_states, activation):
+    def forward(ctx, x, weight, bias, seq_idx, initial_states, activation, backend):
         x, weight, bias, seq_idx, initial_states = (contiguous(t) for t in (x, weight, bias, seq_idx, initial_states))
         ctx.save_for_backward(x, weight, bias, seq_idx, initial_states)
-        ctx.activation = activation
+        ctx.activation, ctx.backend = activation, backend
         ctx.needs_grad = needs_grad(x, weight, bias, seq_idx, initial_states)
-        return conv_launch_fwd(x, weight, bias, seq_idx, initial_states, activation)
+        return conv_launch_fwd(x, weight, bias, seq_idx, initial_states, activation, backend)
 
     @staticmethod
     def backward(ctx, dout):
         x, weight, bias, seq_idx, initial_states = ctx.saved_tensor()
-        dx, dweight, dbias, dinit = conv_launch_bwd(x, weight, bias, seq_idx, initial_states, dout, ctx.activation)
+        dx, dweight, dbias, dinit = conv_launch_bwd(x, weight, bias, seq_idx, initial_states, dout, ctx.activation,
+                                                    ctx.backend)
         grads = [dx, dweight] + [g for g, t in ((dbias, bias), (None, seq_idx), (dinit, initial_states))
                                  if t is not None]
         return grads_for(ctx, grads)
@@ -113,11 +152,11 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     if final_states_out is not None:
         check_tensor("final_states_out", final_states_out)
         check_shape("final_states_out", final_states_out, [x.shape[0], x.shape[1], width - 1])
-    chosen = resolve_backend("causal_conv1d", backend, device_of(x), implemented=IMPLEMENTED)
+    chosen = choose_backend("causal_conv1d", backend, x, width)
     if chosen == "reference" or x.size == 0:
         return ref.causal_conv1d_ref(x, weight, bias, seq_idx, initial_states, return_final_states,
                                      final_states_out, activation)
-    out = CausalConv1dFunction.apply(x, weight, bias, seq_idx, initial_states, activation)
+    out = CausalConv1dFunction.apply(x, weight, bias, seq_idx, initial_states, activation, chosen)
     if not return_final_states:
         return out
     # the last width - 1 inputs: a slice of (initial_states, x), differentiable by Paddle
@@ -154,13 +193,13 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
     if cache_seqlens is not None:
         check_tensor("cache_seqlens", cache_seqlens, float_dtypes=_INT_DTYPES)
         check_shape("cache_seqlens", cache_seqlens, [batch])
-    chosen = resolve_backend("causal_conv1d_update", backend, device_of(x), implemented=IMPLEMENTED)
+    chosen = choose_backend("causal_conv1d_update", backend, x, width)
     with paddle.no_grad():
         if chosen == "reference" or x.size == 0:
             return ref.causal_conv1d_update_ref(x, conv_state, weight, bias, activation, cache_seqlens)
         x, weight, bias, cache_seqlens = (contiguous(t) for t in (x, weight, bias, cache_seqlens))
         out = empty_on(x.shape, x.dtype, x)
-        run_in_place(conv_state, lambda state: conv_kernels.causal_conv1d_update(
-            *triton_args(x, state, weight, out, bias), activation=activation,
-            cache_seqlens=None if cache_seqlens is None else triton_args(cache_seqlens)[0]))
+        seqlens = cache_seqlens if chosen == "cuda" or cache_seqlens is None else triton_args(cache_seqlens)[0]
+        run_in_place(conv_state, lambda state: _launch(chosen, "causal_conv1d_update", x, state, weight, out, bias,
+                                                       activation=activation, cache_seqlens=seqlens))
         return out

@@ -1,12 +1,13 @@
-"""Causal conv1d kernels on the GPU (fwd, bwd, decoding step) against a float64 numpy reference with
-a hand-written adjoint: every dtype, odd widths and shapes, channel-last strides, packed batches,
-seqlen 32768 and a tensor past 2^31 elements (64-bit offsets). Outputs are poisoned (NaN) before the
-kernels write them."""
+"""Causal conv1d kernels on the GPU (fwd, bwd, decoding step), Triton and CUDA backends, against a
+float64 numpy reference with a hand-written adjoint: every dtype, odd widths and shapes,
+channel-last and general strides, packed batches, seqlen past 32768 and a tensor past 2^31 elements
+(64-bit offsets). Outputs are poisoned (NaN) before the kernels write them."""
 
 import numpy as np
 import pytest
 
 from paddlenlp_fused.kernels.triton import causal_conv1d as conv_kernels
+from paddlenlp_fused.runtime import tensor as T
 from paddlenlp_fused.testing.numerics import assert_close
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -50,48 +51,96 @@ def conv_reference(x, weight, bias=None, seq_idx=None, init=None, silu=True, dou
 # ----------------------------------------------------------------------------------------------
 # causal conv1d
 
-# (batch, dim, seqlen, width, channel-last, seq_idx + initial states)
+BACKENDS = ("triton", "cuda")
+
+# (batch, dim, seqlen, width, layout, seq_idx + initial states). Layouts: "first" (seqlen
+# contiguous), "last" (x stored [b, l, d]), "strided" (neither axis contiguous). They cover both
+# CUDA geometries: seq rows with 16-byte vectors (seqlen % 8 == 0) or element-wise (odd seqlen),
+# several chunks per row; walks with 8-byte channel groups (dim % 4 == 0) or element-wise.
 CONV_SHAPES = [
-    (1, 1, 1, 2, False, False),
-    (2, 37, 300, 4, False, True),
-    (3, 130, 1000, 3, True, False),
-    (2, 64, 2049, 4, True, True),
-    (1, 33, 777, 7, False, False),
+    (1, 1, 1, 2, "first", False),
+    (2, 37, 300, 4, "first", True),
+    (2, 24, 4104, 4, "first", True),
+    (3, 130, 1000, 3, "last", False),
+    (2, 64, 2049, 4, "last", True),
+    (2, 20, 97, 2, "strided", True),
+    (1, 33, 777, 7, "first", False),
 ]
 
 
-def _run_conv(provider, x, weight, bias, seq_idx, init, dout, silu=True):
+def _kernels(backend):
+    if backend == "cuda":
+        from paddlenlp_fused.kernels.cuda import causal_conv1d as cuda_conv
+        from paddlenlp_fused.kernels.cuda import library
+
+        _, why = library.load()
+        if why is not None:
+            pytest.skip(f"CUDA library: {why}")
+        return cuda_conv
+    return conv_kernels
+
+
+def _swap_last_axes(provider, t):
+    return t.transpose(1, 2) if provider.name == "torch" else t.transpose([0, 2, 1])
+
+
+def _layout(provider, shape, dtype, layout):
+    """x [b, d, l] with the strides of ``layout``."""
+    batch, dim, seqlen = shape
+    if layout == "last":  # strides (l*d, 1, d)
+        return _swap_last_axes(provider, provider.randn((batch, seqlen, dim), dtype))
+    if layout == "strided":  # every other position of a twice longer row: strides (2*d*l, 2*l, 2)
+        x = provider.randn((batch, dim, 2 * seqlen), dtype)
+        return x[:, :, ::2]
+    return provider.randn((batch, dim, seqlen), dtype)
+
+
+def _poisoned_like(provider, x):
+    """A NaN buffer shaped like x, channel-last when x is (dim contiguous), else channel-first."""
     batch, dim, seqlen = x.shape
     dtype = str(x.dtype).split(".")[-1]
+    if dim > 1 and T.strides(x)[1] == 1:
+        return _swap_last_axes(provider, provider.poisoned((batch, seqlen, dim), dtype))
+    return provider.poisoned((batch, dim, seqlen), dtype)
+
+
+def _run_conv(kernels, provider, x, weight, bias, seq_idx, init, dout, silu=True):
+    """Forward and backward; out and dx take x's layout (channel-last or channel-first)."""
+    dim = x.shape[1]
+    dtype = str(x.dtype).split(".")[-1]
     act = "silu" if silu else None
-    out = provider.poisoned((batch, dim, seqlen), dtype)
-    conv_kernels.causal_conv1d_fwd(x, weight, out, bias, seq_idx, init, activation=act)
-    dx = provider.poisoned((batch, dim, seqlen), dtype)
+    out = _poisoned_like(provider, x)
+    kernels.causal_conv1d_fwd(x, weight, out, bias, seq_idx, init, activation=act)
+    dx = _poisoned_like(provider, x)
     dinit = provider.poisoned(tuple(init.shape), dtype) if init is not None else None
     dw = provider.zeros(tuple(weight.shape), "float32")
     db = provider.zeros((dim,), "float32") if bias is not None else None
-    conv_kernels.causal_conv1d_bwd(x, weight, dout, dx, dw, bias, db, seq_idx, init, dinit, activation=act)
+    kernels.causal_conv1d_bwd(x, weight, dout, dx, dw, bias, db, seq_idx, init, dinit, activation=act)
     provider.synchronize()
     return out, dict(dx=dx, dweight=dw, dbias=db, dinit=dinit)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", CONV_SHAPES, ids=str)
-def test_conv_fwd_bwd_match_float64(provider, shape, dtype):
-    batch, dim, seqlen, width, channel_last, packed = shape
-    if channel_last:  # strides (l*d, 1, d)
-        x = provider.randn((batch, seqlen, dim), dtype)
-        x = x.transpose(1, 2) if provider.name == "torch" else x.transpose([0, 2, 1])
-    else:
-        x = provider.randn((batch, dim, seqlen), dtype)
+def test_conv_fwd_bwd_match_float64(provider, shape, dtype, backend):
+    batch, dim, seqlen, width, layout, packed = shape
+    kernels = _kernels(backend)
+    x = _layout(provider, (batch, dim, seqlen), dtype, layout)
     weight, bias = provider.randn((dim, width), dtype, scale=0.5), provider.randn((dim,), dtype)
     seq_idx = init = None
-    if packed:
-        cuts = np.sort(np.random.randint(0, seqlen, size=(batch, 3)), axis=1)
-        seq_idx = provider.from_numpy((np.arange(seqlen)[None, :, None] >= cuts[:, None, :]).sum(-1), "int32")
+    if packed:  # int64 ids in half the dtypes; a boundary exactly at position 0 and at chunk edges too
+        cuts = np.sort(np.concatenate([np.random.randint(0, seqlen, size=(batch, 3)),
+                                       np.full((batch, 1), min(2048, seqlen - 1))], axis=1), axis=1)
+        ids = (np.arange(seqlen)[None, :, None] >= cuts[:, None, :]).sum(-1)
+        seq_idx = provider.from_numpy(ids, "int64" if dtype == "float16" else "int32")
         init = provider.randn((batch, dim, width - 1), dtype)
-    dout = provider.randn((batch, dim, seqlen), dtype)
-    out, grads = _run_conv(provider, x, weight, bias, seq_idx, init, dout)
+    dout = _layout(provider, (batch, dim, seqlen), dtype, "last" if layout == "last" else "first")
+    if backend == "cuda" and not 2 <= width <= 4:
+        with pytest.raises(ValueError, match="width"):
+            _run_conv(kernels, provider, x, weight, bias, seq_idx, init, dout)
+        return
+    out, grads = _run_conv(kernels, provider, x, weight, bias, seq_idx, init, dout)
     ref_out, ref_grads = conv_reference(provider.to_numpy(x), provider.to_numpy(weight), provider.to_numpy(bias),
                                         None if seq_idx is None else provider.to_numpy(seq_idx),
                                         None if init is None else provider.to_numpy(init), True,
@@ -102,14 +151,31 @@ def test_conv_fwd_bwd_match_float64(provider, shape, dtype):
             assert_close(name, provider.to_numpy(g), ref_grads[name], dtype)
 
 
-def test_conv_seqlen_32768_and_past_2_31_elements(provider):
-    """x [2, 16384, 65537] bf16 (2^31 + 32768 elements): the last batch's last dims past 2^31 and a
-    32768-long stretch of them checked against float64, forward and backward."""
-    batch, dim, seqlen, width = 2, 16384, 65537, 4
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_conv_without_bias_or_activation(provider, backend):
+    """No bias, identity activation, width 3, fp32: exact enough for the float32 bound."""
+    kernels = _kernels(backend)
+    batch, dim, seqlen, width = 2, 16, 520, 3
+    x, dout = provider.randn((batch, dim, seqlen)), provider.randn((batch, dim, seqlen))
+    weight = provider.randn((dim, width), scale=0.5)
+    out, grads = _run_conv(kernels, provider, x, weight, None, None, None, dout, silu=False)
+    ref_out, ref_grads = conv_reference(provider.to_numpy(x), provider.to_numpy(weight), silu=False,
+                                        dout=provider.to_numpy(dout))
+    assert_close("out", provider.to_numpy(out), ref_out, "float32")
+    for name in ("dx", "dweight"):
+        assert_close(name, provider.to_numpy(grads[name]), ref_grads[name], "float32")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_conv_seqlen_65544_and_past_2_31_elements(provider, backend):
+    """x [2, 16384, 65544] bf16 (2^31 + 2^18 elements, seqlen past 32768): the last batch's last dims
+    lie past 2^31; a 32768-long stretch of them is checked against float64, forward and backward."""
+    kernels = _kernels(backend)
+    batch, dim, seqlen, width = 2, 16384, 65544, 4
     x = provider.randn((batch, dim, seqlen), "bfloat16")
     weight, bias = provider.randn((dim, width), "bfloat16", scale=0.5), provider.randn((dim,), "bfloat16")
     dout = provider.randn((batch, dim, seqlen), "bfloat16")
-    out, grads = _run_conv(provider, x, weight, bias, None, None, dout)
+    out, grads = _run_conv(kernels, provider, x, weight, bias, None, None, dout)
     rows, cols = slice(dim - 2, dim), slice(seqlen - 32768, seqlen)
     # the window's first outputs need the width - 1 inputs before it
     xs = provider.to_numpy(x[1:, rows, seqlen - 32768 - (width - 1):])
@@ -120,7 +186,9 @@ def test_conv_seqlen_32768_and_past_2_31_elements(provider):
     assert_close("dx tail", provider.to_numpy(grads["dx"][1:, rows, cols]), ref_grads["dx"][:, :, cols], "bfloat16")
 
 
-def test_causal_conv1d_update_matches_reference(provider):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_causal_conv1d_update_matches_reference(provider, backend):
+    kernels = _kernels(backend)
     for dtype in DTYPES:
         for ring in (False, True):
             batch, dim, width, state_len, steps = 3, 70, 4, 5, 2
@@ -130,8 +198,8 @@ def test_causal_conv1d_update_matches_reference(provider):
             weight, bias = provider.randn((dim, width), dtype), provider.randn((dim,), dtype)
             seqlens = np.array([4, 9, 13], dtype=np.int32)
             out = provider.poisoned((batch, dim, steps), dtype)
-            conv_kernels.causal_conv1d_update(x, state, weight, out, bias, activation="silu",
-                                              cache_seqlens=provider.from_numpy(seqlens, "int32") if ring else None)
+            kernels.causal_conv1d_update(x, state, weight, out, bias, activation="silu",
+                                         cache_seqlens=provider.from_numpy(seqlens, "int32") if ring else None)
             provider.synchronize()
             x64, w64, b64 = provider.to_numpy(x), provider.to_numpy(weight), provider.to_numpy(bias)
             want_state = state0.copy()

@@ -11,9 +11,10 @@ Shapes (``b`` batch, ``d`` dim, ``l`` seqlen, ``w`` width, any width >= 1):
     out[b, d, t] = act(bias[d] + sum_k weight[d, k] * x[b, d, t - (w-1) + k]),  act = identity or silu,
     where x at a position of another sequence (``seq_idx``) counts as 0.
 
-Memory-bound: the forward reads x once and writes out; the backward reads x and dout once,
-recomputes the pre-activations, writes dx (and the initial states' gradient) and accumulates
-dweight/dbias in registers, then with one fp32 atomic per program, dim and tap.
+Memory-bound: the forward reads x from DRAM once and writes out; the backward reads x and dout
+once, recomputes the pre-activations (at the w positions each dx needs), writes dx (and the initial
+states' gradient) and accumulates dweight/dbias in registers over a segment of positions, then adds
+them with one fp32 atomic per program, dim and tap.
 
 Decoding (``causal_conv1d_update``): x [b, d] or [b, d, s] new tokens; conv_state [b, d, state_len >=
 w-1] holds the last inputs and is updated in place, either shifted (the last state_len inputs) or,
@@ -30,76 +31,71 @@ from ...runtime import tensor as T
 ACTIVATIONS = {None: False, "silu": True, "swish": True}
 
 
-# Tiles are [ROWS, BLOCK_D]: ROWS consecutive positions held inside each thread, dims across the lanes.
-# A program walks a segment of seqlen tile by tile and keeps the neighbouring tile in registers, so
-# the shifted inputs x[t - s] (and, backward, the gradients at t + s) are register moves: one-hot
-# integer selects over the in-thread row axis, which the compiler folds into plain copies.
-
-
-@triton.jit
-def _take_rows(a, b, OFFSET: tl.constexpr):
-    """y[j] = concat(a, b)[j + OFFSET] along the row axis of two [ROWS, BLOCK_D] int32 tiles (the
-    rows of b follow those of a): a one-hot integer sum, exact, and folded into register copies when
-    the rows are in-thread."""
-    ROWS: tl.constexpr = a.shape[0]
-    j = tl.arange(0, ROWS)
-    src = (j + OFFSET)[:, None]
-    from_a = (j[None, :] == src)[:, :, None]
-    from_b = (j[None, :] == src - ROWS)[:, :, None]
-    return tl.sum(tl.where(from_a, a[None, :, :], tl.where(from_b, b[None, :, :], 0)), axis=1)
-
-
-@triton.jit
-def _take_rows_f32(a, b, OFFSET: tl.constexpr):
-    return _take_rows(a.to(tl.int32, bitcast=True), b.to(tl.int32, bitcast=True), OFFSET).to(tl.float32,
-                                                                                            bitcast=True)
-
-
-@triton.jit
-def _row(tile, k: tl.constexpr):
-    """tile[k] of a [K, BLOCK_D] fp32 tile (rows in-thread) as [BLOCK_D]."""
-    rows = tl.arange(0, tile.shape[0])
-    return tl.sum(tl.where((rows == k)[:, None], tile.to(tl.int32, bitcast=True), 0), axis=0).to(
-        tl.float32, bitcast=True)
+# Tiles are [BLOCK_D, BLOCK_L] (dims x positions). Triton lays a tile out along whichever axis the
+# strides make contiguous (seqlen for channel-first x, dim for channel-last), so every load and
+# store is coalesced. The inputs shifted by -(w-1) .. w-1 positions are separate loads of the same
+# tile pattern: one reaches DRAM, the others hit L1/L2 (the shifted tiles overlap it), which keeps
+# the kernels at one DRAM read of x (and dout) and one write of out (dx). Shifted tiles live in
+# tuples indexed by compile-time shifts.
 
 
 @triton.jit
 def _load_x(x_cols, init_cols, pos, mask_d, seqlen, s_x_l, s_i_k, HAS_INIT: tl.constexpr, WIDTH: tl.constexpr):
-    """x at positions ``pos`` ([ROWS]; negative: the initial states, zeros without them) as fp32
-    [ROWS, BLOCK_D]; 0 past seqlen."""
+    """x at positions ``pos`` ([BLOCK_L]; negative: the initial states, zeros without them) as fp32
+    [BLOCK_D, BLOCK_L]; 0 past seqlen."""
     pos64 = pos.to(tl.int64)
-    v = tl.load(x_cols + pos64[:, None] * s_x_l, mask=((pos >= 0) & (pos < seqlen))[:, None] & mask_d[None, :],
+    v = tl.load(x_cols + pos64[None, :] * s_x_l, mask=mask_d[:, None] & ((pos >= 0) & (pos < seqlen))[None, :],
                 other=0.0).to(tl.float32)
     if HAS_INIT:
         before = (pos < 0) & (pos >= 1 - WIDTH)
-        v += tl.load(init_cols + (pos64 + WIDTH - 1)[:, None] * s_i_k, mask=before[:, None] & mask_d[None, :],
+        v += tl.load(init_cols + (pos64 + WIDTH - 1)[None, :] * s_i_k, mask=mask_d[:, None] & before[None, :],
                      other=0.0).to(tl.float32)
     return v
 
 
 @triton.jit
 def _load_sid(sid_row, pos, seqlen, s_si_l, HAS_SEQ_IDX: tl.constexpr):
-    """Sequence ids of positions ``pos`` as [ROWS, 1] int32 (positions < 0 continue position 0's
-    sequence; -1 past seqlen); unused zeros without seq_idx."""
+    """Sequence ids of positions ``pos`` as [1, BLOCK_L] int64 (positions < 0 continue position 0's
+    sequence; past seqlen the last one's); unused zeros without seq_idx."""
     if HAS_SEQ_IDX:
-        sid = tl.load(sid_row + tl.maximum(pos, 0).to(tl.int64) * s_si_l, mask=pos < seqlen, other=-1)
-        sid = sid.to(tl.int32)[:, None]
+        clamped = tl.minimum(tl.maximum(pos, 0), seqlen - 1).to(tl.int64)
+        sid = tl.load(sid_row + clamped * s_si_l).to(tl.int64)[None, :]
     else:
-        sid = tl.zeros([pos.shape[0], 1], dtype=tl.int32)
+        sid = tl.zeros([1, pos.shape[0]], dtype=tl.int64)
     return sid
 
 
 @triton.jit
-def _preact(x_prev, x_cur, sid_prev, sid_cur, w_tile, bias, HAS_SEQ_IDX: tl.constexpr, WIDTH: tl.constexpr):
-    """bias + sum_s w[w-1-s] x[t - s] over the positions t of ``x_cur``, whose predecessors are in
-    ``x_prev``; inputs of another sequence count as 0."""
-    ROWS: tl.constexpr = x_cur.shape[0]
-    acc = bias[None, :] + _row(w_tile, WIDTH - 1) * x_cur
-    for s in tl.static_range(1, WIDTH):
-        window = _take_rows_f32(x_prev, x_cur, ROWS - s)
+def _load_taps(w_ptr, d64, mask_d, s_w_d, s_w_k, WIDTH: tl.constexpr):
+    """The weights as a tuple of WIDTH [BLOCK_D, 1] fp32 columns."""
+    taps = ()
+    for k in tl.static_range(WIDTH):
+        taps = taps + (tl.load(w_ptr + d64 * s_w_d + k * s_w_k, mask=mask_d, other=0.0).to(tl.float32)[:, None],)
+    return taps
+
+
+@triton.jit
+def _shifted(x_cols, init_cols, sid_row, pos, mask_d, seqlen, s_x_l, s_i_k, s_si_l, LO: tl.constexpr,
+             COUNT: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, WIDTH: tl.constexpr):
+    """(x, sid) tuples of the tiles at pos + LO + r, r = 0 .. COUNT - 1."""
+    xs = ()
+    sids = ()
+    for r in tl.static_range(COUNT):
+        xs = xs + (_load_x(x_cols, init_cols, pos + (LO + r), mask_d, seqlen, s_x_l, s_i_k, HAS_INIT, WIDTH),)
+        sids = sids + (_load_sid(sid_row, pos + (LO + r), seqlen, s_si_l, HAS_SEQ_IDX),)
+    return xs, sids
+
+
+@triton.jit
+def _preact(xs, sids, taps, bias, AT: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, WIDTH: tl.constexpr):
+    """bias + sum_k w[k] x[t - (w-1) + k] at the positions of tile xs[AT] (xs[AT - s] is shifted by
+    -s); inputs of another sequence count as 0."""
+    acc = bias + taps[WIDTH - 1] * xs[AT]
+    for k in tl.static_range(WIDTH - 1):
+        v = xs[AT - (WIDTH - 1) + k]
         if HAS_SEQ_IDX:
-            window = tl.where(_take_rows(sid_prev, sid_cur, ROWS - s) == sid_cur, window, 0.0)
-        acc += _row(w_tile, WIDTH - 1 - s)[None, :] * window
+            v = tl.where(sids[AT - (WIDTH - 1) + k] == sids[AT], v, 0.0)
+        acc += taps[k] * v
     return acc
 
 
@@ -109,58 +105,50 @@ def _causal_conv1d_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_idx_ptr, init_ptr, out
                               s_i_b, s_i_d, s_i_k, s_o_b, s_o_d, s_o_l,
                               WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
                               HAS_INIT: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr,
-                              ROWS: tl.constexpr, SEGMENT: tl.constexpr, BLOCK_W: tl.constexpr):
-    start = tl.program_id(0) * SEGMENT
+                              BLOCK_L: tl.constexpr):
+    pos = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
     b64 = tl.program_id(2).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d64 = d.to(tl.int64)
     mask_d = d < dim
-    rows = tl.arange(0, ROWS)
-    x_cols = x_ptr + b64 * s_x_b + d64[None, :] * s_x_d
-    init_cols = init_ptr + b64 * s_i_b + d64[None, :] * s_i_d
-    sid_row = seq_idx_ptr + b64 * s_si_b
-    o_cols = out_ptr + b64 * s_o_b + d64[None, :] * s_o_d
-    ks = tl.arange(0, BLOCK_W)
-    w_tile = tl.load(w_ptr + d64[None, :] * s_w_d + ks[:, None] * s_w_k, mask=(ks < WIDTH)[:, None] & mask_d[None, :],
-                     other=0.0).to(tl.float32)
-    bias = tl.load(bias_ptr + d, mask=mask_d, other=0.0).to(tl.float32) if HAS_BIAS else \
-        tl.zeros([BLOCK_D], dtype=tl.float32)
-
-    x_prev = _load_x(x_cols, init_cols, start - ROWS + rows, mask_d, seqlen, s_x_l, s_i_k, HAS_INIT, WIDTH)
-    sid_prev = _load_sid(sid_row, start - ROWS + rows, seqlen, s_si_l, HAS_SEQ_IDX)
-    for i in range(SEGMENT // ROWS):
-        pos = start + i * ROWS + rows
-        x_cur = _load_x(x_cols, init_cols, pos, mask_d, seqlen, s_x_l, s_i_k, False, WIDTH)
-        sid_cur = _load_sid(sid_row, pos, seqlen, s_si_l, HAS_SEQ_IDX)
-        pre = _preact(x_prev, x_cur, sid_prev, sid_cur, w_tile, bias, HAS_SEQ_IDX, WIDTH)
-        if SILU:
-            pre = pre * tl.sigmoid(pre)
-        tl.store(o_cols + pos.to(tl.int64)[:, None] * s_o_l, pre.to(out_ptr.dtype.element_ty),
-                 mask=(pos < seqlen)[:, None] & mask_d[None, :])
-        x_prev, sid_prev = x_cur, sid_cur
-
-
-@triton.jit
-def _dpre(x_prev, x_cur, sid_prev, sid_cur, dout, w_tile, bias, HAS_SEQ_IDX: tl.constexpr, SILU: tl.constexpr,
-          WIDTH: tl.constexpr):
-    """The gradient of the pre-activation at the positions of ``x_cur``."""
+    x_cols = x_ptr + b64 * s_x_b + d64[:, None] * s_x_d
+    init_cols = init_ptr + b64 * s_i_b + d64[:, None] * s_i_d
+    taps = _load_taps(w_ptr, d64, mask_d, s_w_d, s_w_k, WIDTH)
+    bias = tl.load(bias_ptr + d, mask=mask_d, other=0.0).to(tl.float32)[:, None] if HAS_BIAS else 0.0
+    xs, sids = _shifted(x_cols, init_cols, seq_idx_ptr + b64 * s_si_b, pos, mask_d, seqlen, s_x_l, s_i_k, s_si_l,
+                        1 - WIDTH, WIDTH, HAS_INIT, HAS_SEQ_IDX, WIDTH)
+    pre = _preact(xs, sids, taps, bias, WIDTH - 1, HAS_SEQ_IDX, WIDTH)
     if SILU:
-        pre = _preact(x_prev, x_cur, sid_prev, sid_cur, w_tile, bias, HAS_SEQ_IDX, WIDTH)
-        sig = tl.sigmoid(pre)
-        dout = dout * sig * (1.0 + pre * (1.0 - sig))
-    return dout
+        pre = pre * tl.sigmoid(pre)
+    tl.store(out_ptr + b64 * s_o_b + d64[:, None] * s_o_d + pos.to(tl.int64)[None, :] * s_o_l,
+             pre.to(out_ptr.dtype.element_ty), mask=mask_d[:, None] & (pos < seqlen)[None, :])
 
 
 @triton.jit
-def _dx(dpre_cur, dpre_next, sid_cur, sid_next, w_tile, HAS_SEQ_IDX: tl.constexpr, WIDTH: tl.constexpr):
-    """dx[t] = sum_s w[w-1-s] dpre[t + s] over the positions of ``dpre_cur`` (same sequence only)."""
-    acc = _row(w_tile, WIDTH - 1)[None, :] * dpre_cur
-    for s in tl.static_range(1, WIDTH):
-        ahead = _take_rows_f32(dpre_cur, dpre_next, s)
+def _conv_grads(x_cols, init_cols, sid_row, do_cols, pos, mask_d, seqlen, s_x_l, s_i_k, s_si_l, s_do_l, taps,
+                bias, HAS_INIT: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, SILU: tl.constexpr, WIDTH: tl.constexpr):
+    """At the positions ``pos``: (dx, dpre, xs, sids) where dpre is the pre-activation gradient and
+    xs[k] / sids[k] the inputs at pos - (w-1) + k (k < w: the taps of dweight).
+    dx[t] = sum_s w[w-1-s] dpre[t + s] (same sequence), dpre[t] = dout[t] act'(pre[t]) (0 outside
+    0 <= t < seqlen), so the tiles at pos - (w-1) .. pos + w - 1 are loaded."""
+    xs, sids = _shifted(x_cols, init_cols, sid_row, pos, mask_d, seqlen, s_x_l, s_i_k, s_si_l, 1 - WIDTH,
+                        2 * WIDTH - 1, HAS_INIT, HAS_SEQ_IDX, WIDTH)
+    dx = tl.zeros([mask_d.shape[0], pos.shape[0]], dtype=tl.float32)
+    dpre0 = dx
+    for s in tl.static_range(WIDTH):
+        at = pos + s
+        dpre = tl.load(do_cols + at.to(tl.int64)[None, :] * s_do_l,
+                       mask=mask_d[:, None] & ((at >= 0) & (at < seqlen))[None, :], other=0.0).to(tl.float32)
+        if SILU:
+            pre = _preact(xs, sids, taps, bias, WIDTH - 1 + s, HAS_SEQ_IDX, WIDTH)
+            sig = tl.sigmoid(pre)
+            dpre = dpre * sig * (1.0 + pre * (1.0 - sig))
+        if s == 0:
+            dpre0 = dpre
         if HAS_SEQ_IDX:
-            ahead = tl.where(_take_rows(sid_cur, sid_next, s) == sid_cur, ahead, 0.0)
-        acc += _row(w_tile, WIDTH - 1 - s)[None, :] * ahead
-    return acc
+            dpre = tl.where(sids[WIDTH - 1 + s] == sids[WIDTH - 1], dpre, 0.0)
+        dx += taps[WIDTH - 1 - s] * dpre
+    return dx, dpre0, xs, sids
 
 
 @triton.jit
@@ -170,72 +158,48 @@ def _causal_conv1d_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_idx_ptr, init_ptr, dou
                               s_di_b, s_di_d, s_di_k,
                               WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
                               HAS_INIT: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr,
-                              ROWS: tl.constexpr, SEGMENT: tl.constexpr, BLOCK_W: tl.constexpr):
+                              BLOCK_L: tl.constexpr, SEGMENT: tl.constexpr, BLOCK_W: tl.constexpr):
     pid_s = tl.program_id(0)
-    start = pid_s * SEGMENT
     b64 = tl.program_id(2).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d64 = d.to(tl.int64)
     mask_d = d < dim
-    rows = tl.arange(0, ROWS)
-    x_cols = x_ptr + b64 * s_x_b + d64[None, :] * s_x_d
-    init_cols = init_ptr + b64 * s_i_b + d64[None, :] * s_i_d
+    x_cols = x_ptr + b64 * s_x_b + d64[:, None] * s_x_d
+    init_cols = init_ptr + b64 * s_i_b + d64[:, None] * s_i_d
     sid_row = seq_idx_ptr + b64 * s_si_b
-    do_cols = dout_ptr + b64 * s_do_b + d64[None, :] * s_do_d
-    dx_cols = dx_ptr + b64 * s_dx_b + d64[None, :] * s_dx_d
+    do_cols = dout_ptr + b64 * s_do_b + d64[:, None] * s_do_d
+    dx_cols = dx_ptr + b64 * s_dx_b + d64[:, None] * s_dx_d
+    taps = _load_taps(w_ptr, d64, mask_d, s_w_d, s_w_k, WIDTH)
+    bias = tl.load(bias_ptr + d, mask=mask_d, other=0.0).to(tl.float32)[:, None] if HAS_BIAS else 0.0
     ks = tl.arange(0, BLOCK_W)
-    w_tile = tl.load(w_ptr + d64[None, :] * s_w_d + ks[:, None] * s_w_k, mask=(ks < WIDTH)[:, None] & mask_d[None, :],
-                     other=0.0).to(tl.float32)
-    bias = tl.load(bias_ptr + d, mask=mask_d, other=0.0).to(tl.float32) if HAS_BIAS else \
-        tl.zeros([BLOCK_D], dtype=tl.float32)
-
-    # tiles prev (inputs before the segment), cur (the first tile) and, in the loop, next
-    x_prev = _load_x(x_cols, init_cols, start - ROWS + rows, mask_d, seqlen, s_x_l, s_i_k, HAS_INIT, WIDTH)
-    sid_prev = _load_sid(sid_row, start - ROWS + rows, seqlen, s_si_l, HAS_SEQ_IDX)
-    pos = start + rows
-    x_cur = _load_x(x_cols, init_cols, pos, mask_d, seqlen, s_x_l, s_i_k, False, WIDTH)
-    sid_cur = _load_sid(sid_row, pos, seqlen, s_si_l, HAS_SEQ_IDX)
-    dout = tl.load(do_cols + pos.to(tl.int64)[:, None] * s_do_l, mask=(pos < seqlen)[:, None] & mask_d[None, :],
-                   other=0.0).to(tl.float32)
-    dpre_cur = _dpre(x_prev, x_cur, sid_prev, sid_cur, dout, w_tile, bias, HAS_SEQ_IDX, SILU, WIDTH)
     if HAS_INIT:  # the first segment also owns the initial states: positions -(w-1) .. -1
         if pid_s == 0:
-            dinit = _dx(tl.zeros([ROWS, BLOCK_D], dtype=tl.float32), dpre_cur, sid_prev, sid_cur, w_tile,
-                        HAS_SEQ_IDX, WIDTH)
-            ipos = rows - ROWS + WIDTH - 1  # state slot of each row of the tile before position 0
-            tl.store(dinit_ptr + b64 * s_di_b + d64[None, :] * s_di_d + ipos.to(tl.int64)[:, None] * s_di_k,
-                     dinit.to(dinit_ptr.dtype.element_ty), mask=(ipos >= 0)[:, None] & mask_d[None, :])
+            ipos = ks - (WIDTH - 1)
+            dinit = _conv_grads(x_cols, init_cols, sid_row, do_cols, ipos, mask_d, seqlen, s_x_l, s_i_k, s_si_l,
+                                s_do_l, taps, bias, HAS_INIT, HAS_SEQ_IDX, SILU, WIDTH)[0]
+            tl.store(dinit_ptr + b64 * s_di_b + d64[:, None] * s_di_d + ks.to(tl.int64)[None, :] * s_di_k,
+                     dinit.to(dinit_ptr.dtype.element_ty), mask=mask_d[:, None] & (ks < WIDTH - 1)[None, :])
 
-    dw_acc = tl.zeros([BLOCK_W, BLOCK_D], dtype=tl.float32)
-    dbias_acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-    for i in range(SEGMENT // ROWS):
-        pos = start + i * ROWS + rows
-        # dweight[k] += dpre[t] x[t - (w-1) + k]
-        for s in tl.static_range(WIDTH):
-            if s == 0:
-                window = x_cur
-            else:
-                window = _take_rows_f32(x_prev, x_cur, ROWS - s)
-                if HAS_SEQ_IDX:
-                    window = tl.where(_take_rows(sid_prev, sid_cur, ROWS - s) == sid_cur, window, 0.0)
-            dw_acc += tl.where((ks == WIDTH - 1 - s)[:, None], tl.sum(dpre_cur * window, axis=0)[None, :], 0.0)
-        dbias_acc += dpre_cur
-        # the next tile's dpre (the look-ahead of dx), then dx of this tile
-        pos_next = pos + ROWS
-        x_next = _load_x(x_cols, init_cols, pos_next, mask_d, seqlen, s_x_l, s_i_k, False, WIDTH)
-        sid_next = _load_sid(sid_row, pos_next, seqlen, s_si_l, HAS_SEQ_IDX)
-        dout = tl.load(do_cols + pos_next.to(tl.int64)[:, None] * s_do_l,
-                       mask=(pos_next < seqlen)[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        dpre_next = _dpre(x_cur, x_next, sid_cur, sid_next, dout, w_tile, bias, HAS_SEQ_IDX, SILU, WIDTH)
-        dx = _dx(dpre_cur, dpre_next, sid_cur, sid_next, w_tile, HAS_SEQ_IDX, WIDTH)
-        tl.store(dx_cols + pos.to(tl.int64)[:, None] * s_dx_l, dx.to(dx_ptr.dtype.element_ty),
-                 mask=(pos < seqlen)[:, None] & mask_d[None, :])
-        x_prev, x_cur, sid_prev, sid_cur, dpre_cur = x_cur, x_next, sid_cur, sid_next, dpre_next
+    dw_acc = tl.zeros([BLOCK_D, BLOCK_W], dtype=tl.float32)
+    dbias_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for i in range(SEGMENT // BLOCK_L):
+        pos = pid_s * SEGMENT + i * BLOCK_L + tl.arange(0, BLOCK_L)
+        dx, dpre, xs, sids = _conv_grads(x_cols, init_cols, sid_row, do_cols, pos, mask_d, seqlen, s_x_l, s_i_k,
+                                         s_si_l, s_do_l, taps, bias, HAS_INIT, HAS_SEQ_IDX, SILU, WIDTH)
+        tl.store(dx_cols + pos.to(tl.int64)[None, :] * s_dx_l, dx.to(dx_ptr.dtype.element_ty),
+                 mask=mask_d[:, None] & (pos < seqlen)[None, :])
+        # dweight[k] += dpre[t] x[t - (w-1) + k] (same sequence); dpre is 0 past seqlen
+        for k in tl.static_range(WIDTH):
+            v = xs[k]
+            if HAS_SEQ_IDX:
+                v = tl.where(sids[k] == sids[WIDTH - 1], v, 0.0)
+            dw_acc += tl.where((ks == k)[None, :], tl.sum(dpre * v, axis=1)[:, None], 0.0)
+        dbias_acc += tl.sum(dpre, axis=1)
 
-    tl.atomic_add(dw_ptr + d64[None, :] * WIDTH + ks[:, None], dw_acc, mask=(ks < WIDTH)[:, None] & mask_d[None, :],
+    tl.atomic_add(dw_ptr + d64[:, None] * WIDTH + ks[None, :], dw_acc, mask=mask_d[:, None] & (ks < WIDTH)[None, :],
                   sem="relaxed")
     if HAS_BIAS:
-        tl.atomic_add(dbias_ptr + d, tl.sum(dbias_acc, axis=0), mask=mask_d, sem="relaxed")
+        tl.atomic_add(dbias_ptr + d, dbias_acc, mask=mask_d, sem="relaxed")
 
 
 @triton.jit
@@ -302,35 +266,51 @@ def _causal_conv1d_update_kernel(x_ptr, state_ptr, w_ptr, bias_ptr, cache_seqlen
 # ----------------------------------------------------------------------------------------------
 # launchers
 
-SEGMENT = 256  # positions a program walks (it also loads the tile before and, backward, after)
-
-
 def _or(t, stand_in):
     """An absent optional tensor as the kernel takes it: a stand-in pointer that its constexpr flag
     keeps from being read (the kernels form row pointers before branching on the flags)."""
     return stand_in if t is None else t
 
 
-def _check_activation(activation):
+def check_activation(activation):
+    """True for silu; ValueError naming the argument for anything but None/'silu'/'swish'."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected None, 'silu' or 'swish', got {activation!r}")
     return ACTIVATIONS[activation]
 
 
-def _tiles(dim: int, seqlen: int, width: int, block_d=None, segment=None):
-    """(BLOCK_D, ROWS, SEGMENT, BLOCK_W, num_warps). ROWS = 8 positions a thread (16 bytes of
-    bf16 along a channel-first row) and at least w - 1, so a tile and the one before hold every
-    shifted input; 32 dims a warp."""
-    rows = max(8, triton.next_power_of_2(max(width - 1, 1)))
-    block_d = block_d or max(1, min(64, triton.next_power_of_2(dim)))
-    segment = segment or max(rows, min(SEGMENT, triton.next_power_of_2(seqlen)))
-    if segment % rows or block_d & (block_d - 1):
-        raise ValueError(f"segment, block_d: expected a multiple of {rows} and a power of two, got {segment}, "
-                         f"{block_d}")
-    return block_d, rows, segment, triton.next_power_of_2(width), max(1, min(4, block_d // 32))
+def tiles(x, dim: int, seqlen: int, width: int, backward: bool, block_d=None, block_l=None, segment=None,
+          num_warps=None):
+    """(BLOCK_D, BLOCK_L, SEGMENT, BLOCK_W, num_warps). Channel-first x (seqlen contiguous): few dims
+    and a long run of positions a tile; otherwise (dim contiguous or any strides) the transpose.
+    The backward walks SEGMENT positions a program in tiles of BLOCK_L (its dweight/dbias atomics
+    are one per SEGMENT); the forward's program is one tile. Defaults from the H200 sweep at
+    [8, 4096, 2048] bf16 (benchmarks/cases/causal_conv1d.py): channel-first forward tiles from 4 x 256
+    to 16 x 128 all time 0.108-0.114 ms; the backward is best with 512-position segments (0.395 ms,
+    2048: 0.405 ms). Channel-last: forward 0.121 ms, backward 1.21 ms with 128- as with 2048-position
+    segments (its per-tile dweight reductions across the positions' threads are the suspect)."""
+    seq_major = T.strides(x)[2] == 1 or seqlen == 1
+    if seq_major:
+        block_d = block_d or min(4, triton.next_power_of_2(dim))
+        block_l = block_l or min(512 if not backward else 256, triton.next_power_of_2(seqlen))
+        default_segment = 512
+    else:
+        block_d = block_d or min(128, triton.next_power_of_2(dim))
+        block_l = block_l or min(16, triton.next_power_of_2(seqlen))
+        default_segment = 128
+    if segment is not None:
+        block_l = min(block_l, segment)
+    segment = segment or (max(block_l, min(default_segment, triton.next_power_of_2(seqlen))) if backward else block_l)
+    for name, value in (("block_d", block_d), ("block_l", block_l)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name}: expected a power of two, got {value}")
+    if segment % block_l:
+        raise ValueError(f"segment: expected a multiple of block_l={block_l}, got {segment}")
+    warps = num_warps or max(1, min(4, block_d * block_l // 256))
+    return block_d, block_l, segment, triton.next_power_of_2(width), warps
 
 
-def _conv_args(x, weight, bias, seq_idx, initial_states):
+def conv_args(x, weight, bias, seq_idx, initial_states):
     """Shapes checked; (batch, dim, seqlen, width, seq_idx strides, initial_states strides)."""
     if len(T.shape(x)) != 3:
         raise ValueError(f"x: expected [batch, dim, seqlen], got shape {T.shape(x)}")
@@ -356,29 +336,31 @@ def _conv_args(x, weight, bias, seq_idx, initial_states):
 
 
 def causal_conv1d_fwd(x, weight, out, bias=None, seq_idx=None, initial_states=None, activation=None,
-                      block_d=None, segment=None) -> None:
-    """out[b, d, l] = act(causal depthwise conv of x), written in place."""
-    silu = _check_activation(activation)
-    batch, dim, seqlen, width, si_st, init_st = _conv_args(x, weight, bias, seq_idx, initial_states)
+                      block_d=None, block_l=None, segment=None, num_warps=None) -> None:
+    """out[b, d, l] = act(causal depthwise conv of x), written in place. ``block_d``/``block_l``/
+    ``num_warps`` override the tile (``segment``: at most that many positions a tile)."""
+    silu = check_activation(activation)
+    batch, dim, seqlen, width, si_st, init_st = conv_args(x, weight, bias, seq_idx, initial_states)
     T.check_same_shape("out", out, (batch, dim, seqlen))
     if batch * dim * seqlen == 0:
         return
-    block_d, rows, segment, block_w, warps = _tiles(dim, seqlen, width, block_d, segment)
-    grid = (triton.cdiv(seqlen, segment), triton.cdiv(dim, block_d), batch)
+    block_d, block_l, _, _, warps = tiles(x, dim, seqlen, width, False, block_d, block_l, segment, num_warps)
+    grid = (triton.cdiv(seqlen, block_l), triton.cdiv(dim, block_d), batch)
     _causal_conv1d_fwd_kernel[grid](x, weight, _or(bias, x), _or(seq_idx, x), _or(initial_states, x), out, dim,
                                     seqlen, *T.strides(x), *T.strides(weight), *si_st, *init_st, *T.strides(out),
                                     WIDTH=width, HAS_BIAS=bias is not None, HAS_SEQ_IDX=seq_idx is not None,
-                                    HAS_INIT=initial_states is not None, SILU=silu, BLOCK_D=block_d, ROWS=rows,
-                                    SEGMENT=segment, BLOCK_W=block_w, num_warps=warps)
+                                    HAS_INIT=initial_states is not None, SILU=silu, BLOCK_D=block_d, BLOCK_L=block_l,
+                                    num_warps=warps)
 
 
 def causal_conv1d_bwd(x, weight, dout, dx, dweight, bias=None, dbias=None, seq_idx=None, initial_states=None,
-                      dinitial_states=None, activation=None, block_d=None, segment=None) -> None:
+                      dinitial_states=None, activation=None, block_d=None, block_l=None, segment=None,
+                      num_warps=None) -> None:
     """Gradients of the conv. Written in place: dx [b, d, l] and dinitial_states [b, d, w-1] (when
     initial_states is given). Accumulated (+=, float32 contiguous, the caller zeroes them):
-    dweight [d, w] and dbias [d] (when bias is given)."""
-    silu = _check_activation(activation)
-    batch, dim, seqlen, width, si_st, init_st = _conv_args(x, weight, bias, seq_idx, initial_states)
+    dweight [d, w] and dbias [d] (when bias is given). ``segment``: positions a program walks."""
+    silu = check_activation(activation)
+    batch, dim, seqlen, width, si_st, init_st = conv_args(x, weight, bias, seq_idx, initial_states)
     T.check_same_shape("dout", dout, (batch, dim, seqlen))
     T.check_same_shape("dx", dx, (batch, dim, seqlen))
     for name, t, shape in (("dweight", dweight, (dim, width)), ("dbias", dbias, (dim,))):
@@ -397,22 +379,21 @@ def causal_conv1d_bwd(x, weight, dout, dx, dweight, bias=None, dbias=None, seq_i
         di_st = T.strides(dinitial_states)
     if batch * dim * seqlen == 0:
         return
-    block_d, rows, segment, block_w, warps = _tiles(dim, seqlen, width, block_d, segment)
+    block_d, block_l, segment, block_w, warps = tiles(x, dim, seqlen, width, True, block_d, block_l, segment,
+                                                      num_warps)
     grid = (triton.cdiv(seqlen, segment), triton.cdiv(dim, block_d), batch)
     _causal_conv1d_bwd_kernel[grid](x, weight, _or(bias, x), _or(seq_idx, x), _or(initial_states, x), dout, dx,
                                     dweight, _or(dbias, x), _or(dinitial_states, x), dim, seqlen,
                                     *T.strides(x), *T.strides(weight), *si_st, *init_st, *T.strides(dout),
                                     *T.strides(dx), *di_st,
                                     WIDTH=width, HAS_BIAS=bias is not None, HAS_SEQ_IDX=seq_idx is not None,
-                                    HAS_INIT=initial_states is not None, SILU=silu, BLOCK_D=block_d, ROWS=rows,
+                                    HAS_INIT=initial_states is not None, SILU=silu, BLOCK_D=block_d, BLOCK_L=block_l,
                                     SEGMENT=segment, BLOCK_W=block_w, num_warps=warps)
 
 
-def causal_conv1d_update(x, conv_state, weight, out, bias=None, activation=None, cache_seqlens=None) -> None:
-    """Decoding: out (x's shape, [b, d] or [b, d, s]) from the new tokens x and conv_state
-    [b, d, state_len >= w - 1], which is updated in place (shifted, or a ring buffer indexed by
-    ``cache_seqlens`` [b])."""
-    silu = _check_activation(activation)
+def update_args(x, conv_state, weight, out, bias, cache_seqlens):
+    """Shapes checked; (batch, dim, steps, width, state_len, x strides, out strides), the strides of a
+    2-D x / out padded with a 0 for the steps axis."""
     x_dims = T.shape(x)
     if len(x_dims) not in (2, 3):
         raise ValueError(f"x: expected [batch, dim] or [batch, dim, seqlen], got shape {x_dims}")
@@ -434,7 +415,15 @@ def causal_conv1d_update(x, conv_state, weight, out, bias=None, activation=None,
         T.check_same_shape("cache_seqlens", cache_seqlens, (batch,))
         if T.dtype_name(cache_seqlens) not in ("int32", "int64"):
             raise TypeError(f"cache_seqlens: expected int32 or int64, got {T.dtype_name(cache_seqlens)}")
-    state_len = st_dims[2]
+    return batch, dim, steps, width, st_dims[2], x_st, o_st
+
+
+def causal_conv1d_update(x, conv_state, weight, out, bias=None, activation=None, cache_seqlens=None) -> None:
+    """Decoding: out (x's shape, [b, d] or [b, d, s]) from the new tokens x and conv_state
+    [b, d, state_len >= w - 1], which is updated in place (shifted, or a ring buffer indexed by
+    ``cache_seqlens`` [b])."""
+    silu = check_activation(activation)
+    batch, dim, steps, width, state_len, x_st, o_st = update_args(x, conv_state, weight, out, bias, cache_seqlens)
     if batch * dim == 0 or steps == 0:
         return
     block_s, block_state = triton.next_power_of_2(steps), triton.next_power_of_2(max(state_len, 1))
