@@ -11,11 +11,13 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
+from paddlenlp_fused.kernels.cuda import selective_scan as cuda_scan
 from paddlenlp_fused.kernels.triton import causal_conv1d as conv_kernels
 from paddlenlp_fused.kernels.triton import selective_scan as scan_kernels
 from paddlenlp_fused.layers.mamba import MambaInferenceCache, MambaMixer
 from paddlenlp_fused.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
-from paddlenlp_fused.ops.mamba import mamba_inner_fn, selective_scan_fn, selective_state_update
+from paddlenlp_fused.ops.mamba import (_cuda_dtype_issue, _scan_unsupported, mamba_inner_fn, selective_scan_fn,
+                                       selective_state_update)
 from paddlenlp_fused.runtime.backend import BackendUnavailableError
 from paddlenlp_fused.runtime.triton_paddle import triton_args
 from paddlenlp_fused.testing.numerics import assert_close
@@ -187,6 +189,33 @@ def test_complex_A_on_the_reference_path():
     assert_close("complex dB", dB.numpy(), dB64.numpy(), "float32")
     with pytest.raises(BackendUnavailableError, match="complex A"):
         selective_scan_fn(u, delta, A, B_pairs, C, backend="triton")
+    assert _scan_unsupported(True, batch, dstate)("cuda") == "complex A runs on the reference backend only"
+
+
+def test_scan_cuda_backend_on_cpu_and_its_limits():
+    """The CUDA scan (csrc/selective_scan.cu, verified in tests/gpu) refuses CPU tensors by name, says
+    which cases it cannot take, and its launchers check shapes before touching the library."""
+    ins = [t.detach() for t in _scan_inputs(SCAN_CASES["variable"])]
+    with pytest.raises(BackendUnavailableError, match="'cuda' cannot run: the CUDA backend needs GPU tensors"):
+        selective_scan_fn(*ins, delta_softplus=True, backend="cuda")
+    with pytest.raises(BackendUnavailableError, match="'cuda' cannot run: the CUDA backend needs GPU tensors"):
+        mamba_inner_fn(**_inner_inputs(), backend="cuda")
+    why = _scan_unsupported(False, 2, 6)
+    assert why("cuda") is None and why("triton") is None
+    assert _scan_unsupported(False, 2, 512)("cuda") == "dstate 512 > 256"
+    assert _scan_unsupported(False, 70000, 16)("cuda") == "batch 70000 > 65535"
+    assert _scan_unsupported(False, 70000, 512)("triton") is None
+    u, delta, A, B, C = ins[:5]
+    assert _cuda_dtype_issue(u, delta, None, A, B, C) is None
+    assert _cuda_dtype_issue(u, delta.astype("float16"), None).startswith("delta is float16, u is float32")
+    assert _cuda_dtype_issue(u, delta, None, A.astype("float64")).startswith("float64 input")
+    assert _scan_unsupported(False, 2, 6, "why")("cuda") == "why"
+    with pytest.raises(ValueError, match="B: expected"):
+        cuda_scan.selective_scan_fwd(u, delta, A, B[:, :, :5], C, paddle.empty_like(u))
+    with pytest.raises(ValueError, match="A: expected"):
+        cuda_scan.selective_scan_fwd(u, delta, A[:3], B, C, paddle.empty_like(u))
+    with pytest.raises(TypeError, match="delta: expected u's dtype"):
+        cuda_scan.selective_scan_fwd(u, delta.astype("float16"), A, B, C, paddle.empty_like(u))
 
 
 # ----------------------------------------------------------------------------------------------

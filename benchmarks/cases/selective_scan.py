@@ -1,11 +1,13 @@
 """Mamba-1 selective scan fwd / fwd+bwd (PERFORMANCE.md): u, delta, z [8, 4096, 2048] bf16, dstate 16,
-input-dependent B/C [8, 16, 2048] bf16, D and delta_bias fp32, softplus. Our Triton kernels against
-the torch composition (mamba_ssm's sequential ``selective_scan_ref``) in the same process.
+input-dependent B/C [8, 16, 2048] bf16, D and delta_bias fp32, softplus. Our CUDA and Triton kernels
+against the torch composition (mamba_ssm's sequential ``selective_scan_ref``) in the same process.
 
-The torch composition runs a Python loop over seqlen (~160 ms per batch element forward on an
-H200), so it is timed on batch 1 and reported per batch element next to ours (``*_per_batch_ms``);
-``speedup_vs_torch`` compares those. ``sweep`` times other dim blocks of the forward and backward
-kernels (the defaults are picked from it).
+The torch composition runs a Python loop over seqlen (~160-230 ms per batch element forward on an
+H200), so it is timed once on batch 1 and reported per batch element next to ours
+(``*_per_batch_ms``); ``speedup_vs_torch`` compares those. ``sweep`` times the other launch
+configurations of both backends (CUDA: dims (warps) a block; Triton: dims a program); the
+defaults are picked from it. Each backend's output and du are checked against a
+float64 recurrence on the first CHECK_DIMS dims of batch 0 (``rel_err``, ``rel_err_du``).
 
 Bytes (bf16): forward reads u, delta, z, B, C and writes out; the backward reads u, delta, z, B, C,
 dout (twice the delta) and writes du, ddelta, dz (plus fp32 atomics into dB, dC).
@@ -16,14 +18,20 @@ from __future__ import annotations
 import numpy as np
 from common import GiB, TBps, bench_ms, peak_GiB
 
-from paddlenlp_fused.kernels.triton import selective_scan as K
+from paddlenlp_fused.kernels.cuda import selective_scan as CK
+from paddlenlp_fused.kernels.triton import selective_scan as TK
 from paddlenlp_fused.testing.numerics import rel_err
 
 CHECK_DIMS = 64  # dims of batch 0 checked against float64 (a sequential numpy loop)
+KERNELS = {"paddlenlp_fused/cuda": CK, "paddlenlp_fused/triton": TK}
+# launcher options timed besides each backend's defaults: (forward, backward) lists of keyword sets
+SWEEP = {"paddlenlp_fused/cuda": ([dict(warps=w) for w in (1, 2, 4, 8)], [dict(warps=w) for w in (2, 4, 8)]),
+         "paddlenlp_fused/triton": ([dict(block_d=b) for b in (16, 32, 64)], [dict(block_d=b) for b in (4, 8, 16)])}
 
 
-def _reference64(u, delta, A, B, C, D, z, bias):
-    """float64 forward of one batch element's first CHECK_DIMS dims: u, delta, z [d, l]; B, C [n, l]."""
+def _reference64(u, delta, A, B, C, D, z, bias, dout):
+    """float64 forward of one batch element's first CHECK_DIMS dims (u, delta, z, dout [d, l]; B, C
+    [n, l]; the other dims do not touch them) and the adjoint's du."""
     raw = delta + bias[:, None]
     dt = np.where(raw > 20, raw, np.log1p(np.exp(np.minimum(raw, 20))))
     h = np.zeros(A.shape)
@@ -31,8 +39,34 @@ def _reference64(u, delta, A, B, C, D, z, bias):
     for t in range(u.shape[1]):
         h = np.exp(dt[:, t, None] * A) * h + (dt[:, t] * u[:, t])[:, None] * B[None, :, t]
         y[:, t] = h @ C[:, t]
-    y = y + D[:, None] * u
-    return y * z / (1 + np.exp(-z))
+    silu = z / (1 + np.exp(-z))
+    out = (y + D[:, None] * u) * silu
+    dy = dout * silu
+    g = np.zeros(A.shape)
+    du = D[:, None] * dy
+    for t in reversed(range(u.shape[1])):
+        if t + 1 < u.shape[1]:
+            g = g * np.exp(dt[:, t + 1, None] * A)
+        g = g + C[None, :, t] * dy[:, t, None]
+        du[:, t] += (g * dt[:, t, None] * B[None, :, t]).sum(-1)
+    return out, du
+
+
+def _once_ms(provider, fn) -> tuple:
+    """(milliseconds, peak GiB above the start) of one call (for the slow torch loop)."""
+    import torch
+
+    provider.synchronize()
+    before = provider.memory_allocated()
+    provider.reset_peak_memory()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    keep = fn()
+    end.record()
+    provider.synchronize()
+    peak = provider.peak_memory()
+    del keep
+    return start.elapsed_time(end), (peak - before) / GiB
 
 
 def run(provider, quick: bool = False) -> dict:
@@ -47,52 +81,70 @@ def run(provider, quick: bool = False) -> dict:
     B, C = provider.randn((batch, dstate, seqlen), dtype), provider.randn((batch, dstate, seqlen), dtype)
     D, bias = provider.randn((dim,), "float32"), provider.randn((dim,), "float32", scale=0.3)
     dout = provider.randn((batch, dim, seqlen), dtype)
-    plan = K.scan_plan(seqlen)
     seq_shape = (batch, dim, seqlen)
-
-    out, du, ddelta, dz = (provider.empty(seq_shape, dtype) for _ in range(4))
-    states = provider.empty(K.states_shape(batch, dim, dstate, plan), "float32")
-    work = provider.empty(K.workspace_shape(batch, dim, dstate, plan), "float32")
-    acc = [provider.zeros(tuple(t.shape), "float32") for t in (A, B, C, D, bias)]
-
-    def fwd(block_d=None):
-        K.selective_scan_fwd(u, delta, A, B, C, out, D, z, bias, states, None, delta_softplus=True, plan=plan,
-                             block_d=block_d)
-
-    def bwd(block_d=None):
-        for t in acc:
-            t.zero_()
-        K.selective_scan_bwd(u, delta, A, B, C, dout, states, work, du, ddelta, acc[0], acc[1], acc[2], D, z, bias,
-                             acc[3], dz, acc[4], delta_softplus=True, plan=plan, block_d=block_d)
-
-    def fwdbwd():
-        fwd()
-        bwd()
-
-    def fwdbwd_alloc():  # what the op allocates around the launchers
-        o = provider.empty(seq_shape, dtype)
-        st = provider.empty(K.states_shape(batch, dim, dstate, plan), "float32")
-        K.selective_scan_fwd(u, delta, A, B, C, o, D, z, bias, st, None, delta_softplus=True, plan=plan)
-        w = provider.empty(K.workspace_shape(batch, dim, dstate, plan), "float32")
-        g = [provider.empty(seq_shape, dtype) for _ in range(3)]
-        a = [provider.zeros(tuple(t.shape), "float32") for t in (A, B, C, D, bias)]
-        K.selective_scan_bwd(u, delta, A, B, C, dout, st, w, g[0], g[1], a[0], a[1], a[2], D, z, bias, a[3], g[2],
-                             a[4], delta_softplus=True, plan=plan)
-        return o, g, a
-
     grad_bytes = 3 * batch * dim * seqlen * esize + 2 * batch * dstate * seqlen * esize
-    fwd()
-    provider.synchronize()
     sl = (0, slice(0, CHECK_DIMS))
-    ref = _reference64(*(provider.to_numpy(t[sl]) for t in (u, delta)), provider.to_numpy(A[:CHECK_DIMS]),
-                       provider.to_numpy(B[0]), provider.to_numpy(C[0]), provider.to_numpy(D[:CHECK_DIMS]),
-                       provider.to_numpy(z[sl]), provider.to_numpy(bias[:CHECK_DIMS]))
-    ours = {"impl": "paddlenlp_fused/triton", "fwd_ms": bench_ms(fwd), "fwdbwd_ms": bench_ms(fwdbwd),
-            "peak_GiB": peak_GiB(provider, fwdbwd_alloc, exclude_bytes=grad_bytes),
-            "rel_err": rel_err(provider.to_numpy(out[sl]), ref)}
-    ours["fwd_per_batch_ms"], ours["fwdbwd_per_batch_ms"] = ours["fwd_ms"] / batch, ours["fwdbwd_ms"] / batch
+    ref_out, ref_du = _reference64(*(provider.to_numpy(t[sl]) for t in (u, delta)),
+                                   provider.to_numpy(A[:CHECK_DIMS]), provider.to_numpy(B[0]),
+                                   provider.to_numpy(C[0]), provider.to_numpy(D[:CHECK_DIMS]),
+                                   provider.to_numpy(z[sl]), provider.to_numpy(bias[:CHECK_DIMS]),
+                                   provider.to_numpy(dout[sl]))
 
-    # torch composition (mamba_ssm's selective_scan_ref), one batch element
+    rows, sweep, memory = [], [], {}
+    for impl, K in KERNELS.items():
+        plan = K.scan_plan(seqlen)
+        out, du, ddelta, dz = (provider.empty(seq_shape, dtype) for _ in range(4))
+        states = provider.empty(K.states_shape(batch, dim, dstate, plan), "float32")
+        work_shape = K.workspace_shape(batch, dim, dstate, plan)
+        work = None if work_shape is None else provider.empty(work_shape, "float32")
+        acc = [provider.zeros(tuple(t.shape), "float32") for t in (A, B, C, D, bias)]
+        def fwd(options=None, K=K, plan=plan, out=out, states=states):
+            K.selective_scan_fwd(u, delta, A, B, C, out, D, z, bias, states, None, delta_softplus=True, plan=plan,
+                                 **(options or {}))
+
+        def bwd(options=None, K=K, plan=plan, states=states, work=work, acc=acc, du=du, ddelta=ddelta, dz=dz):
+            for t in acc:
+                t.zero_()
+            K.selective_scan_bwd(u, delta, A, B, C, dout, states, work, du, ddelta, acc[0], acc[1], acc[2], D, z,
+                                 bias, acc[3], dz, acc[4], delta_softplus=True, plan=plan, **(options or {}))
+
+        def fwdbwd(fwd=fwd, bwd=bwd):
+            fwd()
+            bwd()
+
+        def fwdbwd_alloc(K=K, plan=plan, work_shape=work_shape):  # what the op allocates around the launchers
+            o = provider.empty(seq_shape, dtype)
+            st = provider.empty(K.states_shape(batch, dim, dstate, plan), "float32")
+            K.selective_scan_fwd(u, delta, A, B, C, o, D, z, bias, st, None, delta_softplus=True, plan=plan)
+            w = None if work_shape is None else provider.empty(work_shape, "float32")
+            g = [provider.empty(seq_shape, dtype) for _ in range(3)]
+            a = [provider.zeros(tuple(t.shape), "float32") for t in (A, B, C, D, bias)]
+            K.selective_scan_bwd(u, delta, A, B, C, dout, st, w, g[0], g[1], a[0], a[1], a[2], D, z, bias, a[3],
+                                 g[2], a[4], delta_softplus=True, plan=plan)
+            return o, g, a
+
+        fwdbwd()
+        provider.synchronize()
+        row = {"impl": impl, "fwd_ms": bench_ms(fwd), "fwdbwd_ms": bench_ms(fwdbwd),
+               "peak_GiB": peak_GiB(provider, fwdbwd_alloc, exclude_bytes=grad_bytes),
+               "rel_err": rel_err(provider.to_numpy(out[sl]), ref_out),
+               "rel_err_du": rel_err(provider.to_numpy(du[sl]), ref_du)}
+        row["fwd_per_batch_ms"], row["fwdbwd_per_batch_ms"] = row["fwd_ms"] / batch, row["fwdbwd_ms"] / batch
+        rows.append(row)
+        print(f"{impl}: fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwdbwd_ms']:.3f} ms, rel_err {row['rel_err']:.2e}, "
+              f"du {row['rel_err_du']:.2e}", flush=True)
+        memory[impl] = {"saved_states_GiB": _f32_bytes(states) / GiB,
+                        "bwd_workspace_GiB": 0.0 if work is None else _f32_bytes(work) / GiB}
+        if not quick:
+            fwd_options, bwd_options = SWEEP[impl]
+            for kernel, fn, option_sets in (("fwd", fwd, fwd_options), ("bwd", bwd, bwd_options)):
+                for options in option_sets:
+                    ms = bench_ms(lambda: fn(options), rep_ms=100)
+                    sweep.append({"impl": impl, "kernel": kernel, **options, "ms": ms})
+                    print(f"  sweep {impl} {kernel} {options}: {ms:.3f} ms", flush=True)
+        del out, du, ddelta, dz, states, work, acc
+
+    # torch composition (mamba_ssm's selective_scan_ref), one batch element, timed once
     tu, tdelta, tz, tB, tC = (t[:1].detach().clone().requires_grad_(True) for t in (u, delta, z, B, C))
     tA, tD, tbias = (t.detach().clone().requires_grad_(True) for t in (A, D, bias))
 
@@ -117,14 +169,17 @@ def run(provider, quick: bool = False) -> dict:
             t.grad = None
         torch_scan().backward(dout[:1])
 
-    t_out = torch_fwd()
-    torch_row = {"impl": "torch (sequential, batch 1)", "batch": 1, "fwd_ms": bench_ms(torch_fwd, 1, 1),
-                 "fwdbwd_ms": bench_ms(torch_fwdbwd, 1, 1),
-                 "peak_GiB": peak_GiB(provider, torch_fwdbwd, exclude_bytes=grad_bytes // batch),
-                 "rel_err": rel_err(provider.to_numpy(t_out[sl]), ref)}
-    torch_row["fwd_per_batch_ms"], torch_row["fwdbwd_per_batch_ms"] = torch_row["fwd_ms"], torch_row["fwdbwd_ms"]
+    t_out = torch_fwd()  # warm-up, and the output checked
+    fwd_ms, _ = _once_ms(provider, torch_fwd)
+    fwdbwd_ms, peak = _once_ms(provider, torch_fwdbwd)
+    torch_row = {"impl": "torch (sequential, batch 1)", "batch": 1, "fwd_ms": fwd_ms, "fwdbwd_ms": fwdbwd_ms,
+                 "peak_GiB": max(0.0, peak - grad_bytes / batch / GiB),
+                 "rel_err": rel_err(provider.to_numpy(t_out[sl]), ref_out),
+                 "rel_err_du": rel_err(provider.to_numpy(tu.grad[sl]), ref_du)}
+    torch_row["fwd_per_batch_ms"], torch_row["fwdbwd_per_batch_ms"] = fwd_ms, fwdbwd_ms
+    rows.append(torch_row)
+    print(f"torch: fwd {fwd_ms:.1f} ms, fwd+bwd {fwdbwd_ms:.1f} ms (batch 1)", flush=True)
 
-    rows = [ours, torch_row]
     fwd_bytes = (4 * batch * dim * seqlen + 2 * batch * dstate * seqlen) * esize
     fwdbwd_bytes = fwd_bytes + (7 * batch * dim * seqlen + 2 * batch * dstate * seqlen) * esize
     for row in rows:
@@ -132,19 +187,12 @@ def run(provider, quick: bool = False) -> dict:
         row["fwd_TBps"] = TBps(fwd_bytes * scale, row["fwd_ms"])
         row["fwdbwd_TBps"] = TBps(fwdbwd_bytes * scale, row["fwdbwd_ms"])
         row["speedup_vs_torch"] = torch_row["fwdbwd_per_batch_ms"] / row["fwdbwd_per_batch_ms"]
-
-    sweep = []
-    if not quick:
-        for block_d in (8, 16, 32):
-            sweep.append({"kernel": "fwd", "block_d": block_d, "ms": bench_ms(lambda: fwd(block_d))})
-        for block_d in (4, 8, 16):
-            sweep.append({"kernel": "bwd", "block_d": block_d, "ms": bench_ms(lambda: bwd(block_d))})
     return {"shape": {"batch": batch, "dim": dim, "seqlen": seqlen, "dstate": dstate, "dtype": dtype,
                       "B_C": "input-dependent [batch, dstate, seqlen]", "D": True, "z": True, "delta_bias": True,
                       "delta_softplus": True},
-            "plan": dict(plan._asdict()), "bytes": {"fwd": fwd_bytes, "fwdbwd": fwdbwd_bytes},
+            "bytes": {"fwd": fwd_bytes, "fwdbwd": fwdbwd_bytes},
             "rows": rows, "sweep": sweep, "target": {"fwd_ms": 1.0, "fwdbwd_ms": 5.0},
-            "memory_GiB": {"saved_states": _f32_bytes(states) / GiB, "bwd_workspace": _f32_bytes(work) / GiB}}
+            "peer": {"mamba_ssm CUDA": {"fwd_ms": 1.160, "fwdbwd_ms": 5.991}}, "memory": memory}
 
 
 def _f32_bytes(t) -> int:

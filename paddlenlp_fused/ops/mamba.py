@@ -16,8 +16,10 @@ Signatures follow ``mamba_ssm`` as a superset (plus ``backend=``); the causal co
   output and delta in backward instead of saving them. ``is_paddle_linear``: the projection weights
   are Paddle ``Linear`` weights ``[in, out]`` (else torch's ``[out, in]``).
 
-Backends: ``triton`` (the kernels of ``kernels/triton/selective_scan.py`` inside PyLayers; matmuls
-by Paddle) and ``reference`` (pure Paddle, float32). A ``cuda`` backend is not implemented yet: asking for it raises ``BackendUnavailableError``.
+Backends of the scan (``selective_scan_fn`` and the scan inside ``mamba_inner_fn``): ``cuda``
+(``csrc/selective_scan.cu``), ``triton`` (``kernels/triton/selective_scan.py``), both inside PyLayers
+with matmuls by Paddle, and ``reference`` (pure Paddle, float32). Complex A runs on the reference
+backend only (asking a GPU backend for it raises ``BackendUnavailableError``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from __future__ import annotations
 import paddle
 from paddle.autograd import PyLayer
 
+from ..kernels.cuda import selective_scan as cuda_scan
 from ..kernels.triton import selective_scan as scan_kernels
+from ..kernels.triton.state_update import selective_state_update as state_update_launch
 from ..reference import mamba as ref
 from ..runtime import tensor as T
 from ..runtime.backend import resolve_backend
@@ -35,6 +39,15 @@ from ._pylayer import cast_like, check_shape, empty_on, grads_for, needs_grad, r
 from .causal_conv1d import conv_launch_bwd, conv_launch_fwd, conv_weight
 
 IMPLEMENTED = ("triton", "reference")
+SCAN_IMPLEMENTED = ("cuda", "triton", "reference")
+_SCAN_KERNELS = {"cuda": cuda_scan, "triton": scan_kernels}
+# ``auto`` on the GPU: the order the scan's backends are tried in, Triton first in every case. On the
+# H200 at the canonical [8, 4096, 2048] dstate 16 bf16 case (benchmarks/results/selective_scan.json,
+# 2026-11-30) the Triton kernels took fwd 0.73 / bwd 5.35 ms, the CUDA ones 2.20 / 6.13 ms at their
+# best launch configuration; CUDA runs when Triton cannot (or when asked for).
+SCAN_AUTO_ORDER = ("triton", "cuda")
+CUDA_MAX_DSTATE = 256  # shared-memory carries of csrc/selective_scan.cu
+CUDA_MAX_BATCH = 65535  # grid y
 _COMPLEX = (paddle.complex64, paddle.complex128)
 _INT_DTYPES = ("int32", "int64")
 
@@ -87,20 +100,53 @@ def _check_scan_args(u, delta, A, B, C, D, z, delta_bias):
 # selective scan
 
 
-def _scan_launch_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, want_states, want_last):
-    """(out, states, last_state, plan) from the Triton forward on contiguous inputs."""
+def _cuda_dtype_issue(u, delta, z, *others):
+    """Why the CUDA scan cannot take these dtypes (delta and z in u's dtype; every tensor float32,
+    float16 or bfloat16), or None."""
+    for name, t in (("delta", delta), ("z", z)):
+        if t is not None and t.dtype != u.dtype:
+            return f"{name} is {T.dtype_name(t)}, u is {T.dtype_name(u)} (the CUDA scan wants one dtype)"
+    for t in (u,) + others:
+        if t is not None and T.dtype_name(t) not in T.FLOAT_DTYPES:
+            return f"{T.dtype_name(t)} input (the CUDA scan takes {', '.join(T.FLOAT_DTYPES)})"
+    return None
+
+
+def _scan_unsupported(complex_A, batch, dstate, cuda_dtype_issue=None):
+    """Why a GPU backend cannot take this scan (``resolve_backend``'s ``unsupported``), or None."""
+    def why(name):
+        if complex_A and name != "reference":
+            return "complex A runs on the reference backend only"
+        if name == "cuda" and dstate > CUDA_MAX_DSTATE:
+            return f"dstate {dstate} > {CUDA_MAX_DSTATE}"
+        if name == "cuda" and batch > CUDA_MAX_BATCH:
+            return f"batch {batch} > {CUDA_MAX_BATCH}"
+        return cuda_dtype_issue if name == "cuda" else None
+    return why
+
+
+def _scan_launch(backend, name, *tensors, **options):
+    """Launcher ``name`` of the scan kernels of ``backend`` (tensors wrapped for Triton)."""
+    if backend == "triton":
+        tensors = triton_args(*tensors)
+    getattr(_SCAN_KERNELS[backend], name)(*tensors, **options)
+
+
+def _scan_launch_fwd(backend, u, delta, A, B, C, D, z, delta_bias, delta_softplus, want_states, want_last):
+    """(out, states, last_state, plan) from the forward kernel of ``backend`` on contiguous inputs."""
     batch, dim, seqlen = u.shape
     dstate = A.shape[1]
-    plan = scan_kernels.scan_plan(seqlen)
+    kernels = _SCAN_KERNELS[backend]
+    plan = kernels.scan_plan(seqlen)
     out = empty_on(u.shape, u.dtype, u)
-    states = empty_on(scan_kernels.states_shape(batch, dim, dstate, plan), "float32", u) if want_states else None
+    states = empty_on(kernels.states_shape(batch, dim, dstate, plan), "float32", u) if want_states else None
     last = empty_on([batch, dim, dstate], "float32", u) if want_last else None
-    scan_kernels.selective_scan_fwd(*triton_args(u, delta, A, B, C, out, D, z, delta_bias, states, last),
-                                    delta_softplus=delta_softplus, plan=plan)
+    _scan_launch(backend, "selective_scan_fwd", u, delta, A, B, C, out, D, z, delta_bias, states, last,
+                 delta_softplus=delta_softplus, plan=plan)
     return out, states, last, plan
 
 
-def _scan_launch_bwd(saved, dout, plan, delta_softplus, want_out_z=False):
+def _scan_launch_bwd(backend, saved, dout, plan, delta_softplus, want_out_z=False):
     """Gradients (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias) in float32 accumulators / input
     dtypes, and the recomputed output when ``want_out_z``."""
     u, delta, A, B, C, D, z, delta_bias, states = saved
@@ -112,23 +158,23 @@ def _scan_launch_bwd(saved, dout, plan, delta_softplus, want_out_z=False):
     dA, dB, dC = zeros32_on(A.shape, u), zeros32_on(B.shape, u), zeros32_on(C.shape, u)
     dD = None if D is None else zeros32_on(D.shape, u)
     ddb = None if delta_bias is None else zeros32_on(delta_bias.shape, u)
-    work = empty_on(scan_kernels.workspace_shape(batch, dim, dstate, plan), "float32", u)
-    scan_kernels.selective_scan_bwd(*triton_args(u, delta, A, B, C, contiguous(dout), states, work, du, ddelta, dA,
-                                                 dB, dC, D, z, delta_bias, dD, dz, ddb, out_z),
-                                    delta_softplus=delta_softplus, plan=plan)
+    work_shape = _SCAN_KERNELS[backend].workspace_shape(batch, dim, dstate, plan)
+    work = None if work_shape is None else empty_on(work_shape, "float32", u)
+    _scan_launch(backend, "selective_scan_bwd", u, delta, A, B, C, contiguous(dout), states, work, du, ddelta, dA,
+                 dB, dC, D, z, delta_bias, dD, dz, ddb, out_z, delta_softplus=delta_softplus, plan=plan)
     return du, ddelta, dA, dB, dC, dD, dz, ddb, out_z
 
 
 class SelectiveScanFunction(PyLayer):
     @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state):
+    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state, backend):
         ctx.needs_grad = needs_grad(u, delta, A, B, C, D, z, delta_bias)
         u, delta, A, B, C, D, z, delta_bias = (contiguous(t) for t in (u, delta, A, B, C, D, z, delta_bias))
         # the chunk states are only saved when a backward can follow
-        out, states, last, plan = _scan_launch_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+        out, states, last, plan = _scan_launch_fwd(backend, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
                                                    any(ctx.needs_grad), return_last_state)
         ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, states)
-        ctx.plan, ctx.delta_softplus = plan, delta_softplus
+        ctx.plan, ctx.delta_softplus, ctx.backend = plan, delta_softplus, backend
         if return_last_state:
             ctx.mark_non_differentiable(last)
             return out, last
@@ -138,7 +184,8 @@ class SelectiveScanFunction(PyLayer):
     def backward(ctx, dout, dlast=None):
         saved = ctx.saved_tensor()
         u, delta, A, B, C, D, z, delta_bias, _ = saved
-        du, ddelta, dA, dB, dC, dD, dz, ddb, _ = _scan_launch_bwd(saved, dout, ctx.plan, ctx.delta_softplus)
+        du, ddelta, dA, dB, dC, dD, dz, ddb, _ = _scan_launch_bwd(ctx.backend, saved, dout, ctx.plan,
+                                                                  ctx.delta_softplus)
         grads = [du, ddelta, cast_like(dA, A), cast_like(dB, B), cast_like(dC, C)]
         grads += [cast_like(g, t) for g, t in ((dD, D), (dz, z), (ddb, delta_bias)) if t is not None]
         return grads_for(ctx, grads)
@@ -148,13 +195,14 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
                       return_last_state=False, backend: str = "auto"):
     """Mamba-1 selective scan (see the module docstring). Returns out, or (out, last_state)."""
     complex_A = _check_scan_args(u, delta, A, B, C, D, z, delta_bias)
-    chosen = resolve_backend("selective_scan", backend, device_of(u), implemented=IMPLEMENTED,
-                             unsupported=lambda name: "complex A runs on the reference backend only"
-                             if complex_A and name != "reference" else None)
+    chosen = resolve_backend("selective_scan", backend, device_of(u), implemented=SCAN_IMPLEMENTED,
+                             unsupported=_scan_unsupported(complex_A, u.shape[0], A.shape[1],
+                                                           _cuda_dtype_issue(u, delta, z, A, B, C, D, delta_bias)),
+                             prefer=SCAN_AUTO_ORDER)
     if chosen == "reference" or u.size == 0:
         return ref.selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state)
     return SelectiveScanFunction.apply(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus),
-                                       bool(return_last_state))
+                                       bool(return_last_state), chosen)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,7 +240,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
             return ref.selective_state_update_ref(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
         x, dt, A, B, C, D, z, dt_bias = (contiguous(t) for t in (x, dt, A, B, C, D, z, dt_bias))
         out = empty_on(x.shape, x.dtype, x)
-        run_in_place(state, lambda st: scan_kernels.selective_state_update(
+        run_in_place(state, lambda st: state_update_launch(
             *triton_args(st, x, dt, A, B, C, out, D, z, dt_bias), dt_softplus=dt_softplus))
         return out
 
@@ -223,7 +271,7 @@ class MambaInnerFunction(PyLayer):
 
     @staticmethod
     def forward(ctx, xz, conv_w, conv_b, x_proj_w, delta_proj_w, out_proj_w, out_proj_b, A, B, C, D, delta_bias,
-                B_proj_bias, C_proj_bias, delta_softplus, checkpoint_lvl):
+                B_proj_bias, C_proj_bias, delta_softplus, checkpoint_lvl, backend):
         xz = contiguous(xz)
         dim = xz.shape[1] // 2
         x, z = contiguous(xz[:, :dim]), contiguous(xz[:, dim:])
@@ -233,15 +281,15 @@ class MambaInnerFunction(PyLayer):
         delta = _mm(delta_proj_w, x_dbl[:, :rank], transpose_a=True)  # [batch, dim, seqlen]
         B_in = _projected(x_dbl, rank, dstate, B_proj_bias) if B is None else contiguous(B)
         C_in = _projected(x_dbl, rank + dstate, dstate, C_proj_bias) if C is None else contiguous(C)
-        out_z, states, _, plan = _scan_launch_fwd(conv_out, delta, A, B_in, C_in, D, z, delta_bias, delta_softplus,
-                                                  True, False)
+        out_z, states, _, plan = _scan_launch_fwd(backend, conv_out, delta, A, B_in, C_in, D, z, delta_bias,
+                                                  delta_softplus, True, False)
         out = _mm(out_z, out_proj_w, transpose_a=True)  # [batch, seqlen, d_model]
         if out_proj_b is not None:
             out = out + out_proj_b.astype(out.dtype)
         keep = (conv_out, delta) if checkpoint_lvl == 0 else (None, None)
         ctx.save_for_backward(xz, conv_w, conv_b, x_proj_w, delta_proj_w, out_proj_w, out_proj_b, A, B, C, D,
                               delta_bias, B_proj_bias, C_proj_bias, x_dbl, states, *keep)
-        ctx.plan, ctx.delta_softplus = plan, delta_softplus
+        ctx.plan, ctx.delta_softplus, ctx.backend = plan, delta_softplus, backend
         ctx.needs_grad = needs_grad(xz, conv_w, conv_b, x_proj_w, delta_proj_w, out_proj_w, out_proj_b, A, B, C, D,
                                      delta_bias, B_proj_bias, C_proj_bias)
         return out
@@ -261,7 +309,8 @@ class MambaInnerFunction(PyLayer):
         dout = contiguous(dout)
         dout_z = _mm(out_proj_w, dout, transpose_b=True)  # [batch, dim, seqlen]
         du, ddelta, dA, dB, dC, dD, dz, ddb, out_z = _scan_launch_bwd(
-            (conv_out, delta, A, B_in, C_in, D, z, delta_bias, states), dout_z, ctx.plan, ctx.delta_softplus, True)
+            ctx.backend, (conv_out, delta, A, B_in, C_in, D, z, delta_bias, states), dout_z, ctx.plan,
+            ctx.delta_softplus, True)
         d_out_proj_w = _batch_sum_mm(out_z, dout.transpose([0, 2, 1]))
         d_out_proj_b = None if out_proj_b is None else dout.astype("float32").sum(axis=[0, 1]).astype(out_proj_b.dtype)
         # gradient of x_dbl [batch, r + 2n, seqlen]: delta's rows, then B's and C's when projected
@@ -339,9 +388,10 @@ def mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_wei
     for name, t in (("B", B), ("C", C)):
         if t is not None:
             _check_bc(name, t, batch, dim, A.shape[1], seqlen, complex_A)
-    chosen = resolve_backend("mamba_inner", backend, device_of(xz), implemented=IMPLEMENTED,
-                             unsupported=lambda name: "complex A runs on the reference backend only"
-                             if complex_A and name != "reference" else None)
+    chosen = resolve_backend("mamba_inner", backend, device_of(xz), implemented=SCAN_IMPLEMENTED,
+                             unsupported=_scan_unsupported(complex_A, batch, A.shape[1],
+                                                           _cuda_dtype_issue(xz, None, None, A, B, C, D, delta_bias)),
+                             prefer=SCAN_AUTO_ORDER)
     if chosen == "reference" or xz.size == 0:
         return ref.mamba_inner_ref(xz, conv_w, conv1d_bias, x_proj_w, delta_proj_w, out_proj_w, out_proj_bias, A,
                                    B, C, D, delta_bias, B_proj_bias, C_proj_bias, delta_softplus, True)
@@ -349,4 +399,4 @@ def mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_wei
                                           for w in (x_proj_w, delta_proj_w, out_proj_w))
     return MambaInnerFunction.apply(xz, conv_w, conv1d_bias, x_proj_w, delta_proj_w, out_proj_w, out_proj_bias, A,
                                     B, C, D, delta_bias, B_proj_bias, C_proj_bias, bool(delta_softplus),
-                                    int(checkpoint_lvl))
+                                    int(checkpoint_lvl), chosen)

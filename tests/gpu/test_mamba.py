@@ -1,10 +1,11 @@
-"""Mamba-1 selective scan kernels on the GPU (scan, decoding step) against float64 numpy
+"""Mamba-1 selective scan kernels on the GPU (CUDA and Triton) against float64 numpy
 recurrences with hand-written adjoints: every dtype, odd shapes, seqlen 32768, tensors past 2^31
 elements (64-bit offsets). Outputs are poisoned (NaN) before the kernels write them."""
 
 import numpy as np
 import pytest
 
+from paddlenlp_fused.kernels.cuda import selective_scan as cuda_scan
 from paddlenlp_fused.kernels.triton import selective_scan as scan_kernels
 from paddlenlp_fused.testing.numerics import assert_close
 
@@ -88,68 +89,69 @@ def scan_reference(u, delta, A, B, C, D=None, z=None, delta_bias=None, softplus=
 # ----------------------------------------------------------------------------------------------
 # selective scan
 
-# (batch, dim, seqlen, dstate, B/C kind, options)
+# (batch, dim, seqlen, dstate, B/C kind, options). The CUDA backward walks 256-step chunks in reverse
+# (seqlen 1000: 4, the last partial), a forward lane holds 16 steps; grouped3 has 15 dims a group
+# (blocks of one warp), grouped 12 (blocks of 4 warps); seqlen 300 and 257 have unaligned rows.
 SCAN_SHAPES = [
     (1, 1, 1, 1, "variable", True),
     (2, 37, 300, 16, "variable", True),
     (3, 64, 1000, 4, "fixed", False),
     (2, 48, 257, 16, "grouped", True),
+    (2, 45, 520, 8, "grouped3", True),
     (1, 20, 513, 64, "variable", False),
 ]
+SCAN_KERNELS = {"cuda": cuda_scan, "triton": scan_kernels}  # backend -> launcher module
 
 
 def _scan_tensors(provider, batch, dim, seqlen, dstate, kind, options, dtype):
-    shapes = {"fixed": (dim, dstate), "variable": (batch, dstate, seqlen), "grouped": (batch, 4, dstate, seqlen)}
-    if kind == "grouped":
-        assert dim % 4 == 0
+    groups = {"grouped": 4, "grouped3": 3}.get(kind, 1)
+    assert dim % groups == 0
+    bc_shape = {"fixed": (dim, dstate), "variable": (batch, dstate, seqlen)}.get(kind, (batch, groups, dstate, seqlen))
     t = dict(u=provider.randn((batch, dim, seqlen), dtype),
              # delta is a step size: through softplus when ``options``, else drawn positive (a negative
              # step makes exp(delta * A) > 1 and the state grows past the float16 range over 1000 steps)
              delta=provider.randn((batch, dim, seqlen), dtype, scale=0.5, offset=-1.0) if options else
              provider.from_numpy(np.abs(np.random.randn(batch, dim, seqlen)) * 0.5 + 0.05, dtype),
              A=provider.from_numpy(-np.exp(np.random.randn(dim, dstate) * 0.5), "float32"),
-             B=provider.randn(shapes[kind], dtype if kind != "fixed" else "float32"),
-             C=provider.randn(shapes[kind], dtype if kind != "fixed" else "float32"))
+             B=provider.randn(bc_shape, dtype if kind != "fixed" else "float32"),
+             C=provider.randn(bc_shape, dtype if kind != "fixed" else "float32"))
     t.update(D=provider.randn((dim,), "float32") if options else None,
              z=provider.randn((batch, dim, seqlen), dtype) if options else None,
              delta_bias=provider.randn((dim,), "float32", scale=0.3) if options else None)
     return t
 
 
-def _run_scan(provider, t, softplus, dout, plan=None):
+def _run_scan(provider, backend, t, softplus, dout):
+    """Forward and backward of ``backend`` (a SCAN_KERNELS key) with every output poisoned."""
+    kernels = SCAN_KERNELS[backend]
     u = t["u"]
     batch, dim, seqlen = u.shape
     dstate = t["A"].shape[1]
-    plan = plan or scan_kernels.scan_plan(seqlen)
+    plan = kernels.scan_plan(seqlen)
     dtype = str(u.dtype).split(".")[-1]
     out, last = provider.poisoned(u.shape, dtype), provider.poisoned((batch, dim, dstate), "float32")
-    states = provider.poisoned(scan_kernels.states_shape(batch, dim, dstate, plan), "float32")
+    states = provider.poisoned(kernels.states_shape(batch, dim, dstate, plan), "float32")
     args = [t[k] for k in ("u", "delta", "A", "B", "C")]
-    scan_kernels.selective_scan_fwd(*args, out, t["D"], t["z"], t["delta_bias"], states, last,
-                                    delta_softplus=softplus, plan=plan)
+    kernels.selective_scan_fwd(*args, out, t["D"], t["z"], t["delta_bias"], states, last,
+                               delta_softplus=softplus, plan=plan)
     du, ddelta = provider.poisoned(u.shape, dtype), provider.poisoned(u.shape, dtype)
     dz = provider.poisoned(u.shape, dtype) if t["z"] is not None else None
     out_z = provider.poisoned(u.shape, dtype) if t["z"] is not None else None
-    work = provider.poisoned(scan_kernels.workspace_shape(batch, dim, dstate, plan), "float32")
+    work_shape = kernels.workspace_shape(batch, dim, dstate, plan)
+    work = None if work_shape is None else provider.poisoned(work_shape, "float32")
     acc = {k: provider.zeros(t[k].shape, "float32") if t[k] is not None else None
            for k in ("A", "B", "C", "D", "delta_bias")}
-    scan_kernels.selective_scan_bwd(*args, dout, states, work, du, ddelta, acc["A"], acc["B"], acc["C"], t["D"],
-                                    t["z"], t["delta_bias"], acc["D"], dz, acc["delta_bias"], out_z,
-                                    delta_softplus=softplus, plan=plan)
+    kernels.selective_scan_bwd(*args, dout, states, work, du, ddelta, acc["A"], acc["B"], acc["C"], t["D"],
+                               t["z"], t["delta_bias"], acc["D"], dz, acc["delta_bias"], out_z,
+                               delta_softplus=softplus, plan=plan)
     provider.synchronize()
     return out, last, out_z, dict(du=du, ddelta=ddelta, dA=acc["A"], dB=acc["B"], dC=acc["C"], dD=acc["D"], dz=dz,
                                   ddelta_bias=acc["delta_bias"])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SCAN_SHAPES, ids=str)
-def test_scan_fwd_bwd_match_float64(provider, shape, dtype):
-    batch, dim, seqlen, dstate, kind, options = shape
-    t = _scan_tensors(provider, batch, dim, seqlen, dstate, kind, options, dtype)
-    dout = provider.randn((batch, dim, seqlen), dtype)
-    out, last, out_z, grads = _run_scan(provider, t, options, dout)
+def _check_scan(provider, t, softplus, dout, out, last, out_z, grads, dtype):
     np_t = {k: None if v is None else provider.to_numpy(v) for k, v in t.items()}
-    ref_out, ref_last, ref_grads = scan_reference(**np_t, softplus=options, dout=provider.to_numpy(dout))
+    ref_out, ref_last, ref_grads = scan_reference(**np_t, softplus=softplus, dout=provider.to_numpy(dout))
     assert_close("out", provider.to_numpy(out), ref_out, dtype)
     assert_close("last_state", provider.to_numpy(last), ref_last, "float32" if dtype == "float32" else dtype)
     if out_z is not None:
@@ -159,17 +161,56 @@ def test_scan_fwd_bwd_match_float64(provider, shape, dtype):
             assert_close(name, provider.to_numpy(g), ref_grads[name], dtype)
 
 
+@pytest.mark.parametrize("backend", sorted(SCAN_KERNELS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SCAN_SHAPES, ids=str)
+def test_scan_fwd_bwd_match_float64(provider, shape, dtype, backend):
+    batch, dim, seqlen, dstate, kind, options = shape
+    t = _scan_tensors(provider, batch, dim, seqlen, dstate, kind, options, dtype)
+    dout = provider.randn((batch, dim, seqlen), dtype)
+    out, last, out_z, grads = _run_scan(provider, backend, t, options, dout)
+    _check_scan(provider, t, options, dout, out, last, out_z, grads, dtype)
+
+
+@pytest.mark.parametrize("backend", sorted(SCAN_KERNELS))
+def test_scan_strided_inputs(provider, backend):
+    """u, delta, z, dout as [b, l, d] memory viewed as [b, d, l]; B, C as [b, l, n] viewed as
+    [b, n, l] (element-wise loads: no vector path)."""
+    batch, dim, seqlen, dstate, dtype = 2, 24, 333, 16, "bfloat16"
+    t = _scan_tensors(provider, batch, dim, seqlen, dstate, "variable", True, dtype)
+    for k in ("u", "delta", "z", "B", "C"):
+        t[k] = t[k].transpose(1, 2).contiguous().transpose(1, 2)
+    dout = provider.randn((batch, seqlen, dim), dtype).transpose(1, 2)
+    out, last, out_z, grads = _run_scan(provider, backend, t, True, dout)
+    _check_scan(provider, t, True, dout, out, last, out_z, grads, dtype)
+
+
+def _each_backend(provider, t, dout, check):
+    """Runs every backend on the same tensors and ``check``s it; the failures of all are reported."""
+    failures = []
+    for backend in SCAN_KERNELS:
+        out, last, _, grads = _run_scan(provider, backend, t, True, dout)
+        try:
+            check(out, last, grads)
+        except AssertionError as exc:
+            failures.append(f"{backend}: {exc}")
+        del out, last, grads
+    assert not failures, "; ".join(failures)
+
+
 def test_scan_seqlen_32768(provider):
     batch, dim, seqlen, dstate = 1, 64, 32768, 16
     t = _scan_tensors(provider, batch, dim, seqlen, dstate, "variable", True, "bfloat16")
     dout = provider.randn((batch, dim, seqlen), "bfloat16")
-    out, last, _, grads = _run_scan(provider, t, True, dout)
     np_t = {k: None if v is None else provider.to_numpy(v) for k, v in t.items()}
     ref_out, ref_last, ref_grads = scan_reference(**np_t, softplus=True, dout=provider.to_numpy(dout))
-    assert_close("out", provider.to_numpy(out), ref_out, "bfloat16")
-    assert_close("last_state", provider.to_numpy(last), ref_last, "bfloat16")
-    for name in ("du", "ddelta", "dA", "dB", "dC", "dz"):
-        assert_close(name, provider.to_numpy(grads[name]), ref_grads[name], "bfloat16")
+
+    def check(out, last, grads):
+        assert_close("out", provider.to_numpy(out), ref_out, "bfloat16")
+        assert_close("last_state", provider.to_numpy(last), ref_last, "bfloat16")
+        for name in ("du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias"):
+            assert_close(name, provider.to_numpy(grads[name]), ref_grads[name], "bfloat16")
+    _each_backend(provider, t, dout, check)
 
 
 def test_scan_past_2_31_elements(provider):
@@ -179,34 +220,15 @@ def test_scan_past_2_31_elements(provider):
     assert batch * dim * seqlen > 2**31
     t = _scan_tensors(provider, batch, dim, seqlen, dstate, "variable", True, "bfloat16")
     dout = provider.randn((batch, dim, seqlen), "bfloat16")
-    out, last, _, grads = _run_scan(provider, t, True, dout)
     rows = slice(dim - 3, dim)
     sub = {k: provider.to_numpy(t[k][1:, rows]) for k in ("u", "delta", "z")}  # slice on the device first
     sub.update({k: provider.to_numpy(t[k][rows]) for k in ("A", "D", "delta_bias")})
     sub.update({k: provider.to_numpy(t[k][1:]) for k in ("B", "C")})
     ref_out, ref_last, ref_grads = scan_reference(**sub, softplus=True, dout=provider.to_numpy(dout[1:, rows]))
-    assert_close("out tail", provider.to_numpy(out[1:, rows]), ref_out, "bfloat16")
-    assert_close("last_state tail", provider.to_numpy(last[1:, rows]), ref_last, "bfloat16")
-    assert_close("du tail", provider.to_numpy(grads["du"][1:, rows]), ref_grads["du"], "bfloat16")
-    assert_close("ddelta tail", provider.to_numpy(grads["ddelta"][1:, rows]), ref_grads["ddelta"], "bfloat16")
 
-
-def test_selective_state_update_matches_recurrence(provider):
-    for dtype in DTYPES:
-        batch, dim, dstate, groups = 3, 130, 16, 2
-        state = provider.randn((batch, dim, dstate), dtype)
-        state0 = provider.to_numpy(state)
-        x, dt, z = (provider.randn((batch, dim), dtype) for _ in range(3))
-        A = provider.from_numpy(-np.exp(np.random.randn(dim, dstate)), "float32")
-        B, C = provider.randn((batch, groups, dstate), dtype), provider.randn((batch, groups, dstate), dtype)
-        D, dt_bias = provider.randn((dim,), "float32"), provider.randn((dim,), "float32")
-        out = provider.poisoned((batch, dim), dtype)
-        scan_kernels.selective_state_update(state, x, dt, A, B, C, out, D, z, dt_bias, dt_softplus=True)
-        provider.synchronize()
-        n = {k: provider.to_numpy(v) for k, v in dict(x=x, dt=dt, z=z, A=A, B=B, C=C, D=D, b=dt_bias).items()}
-        dt64 = np.log1p(np.exp(n["dt"] + n["b"]))
-        per_dim = lambda M: np.repeat(M, dim // groups, axis=1)  # noqa: E731
-        new = state0 * np.exp(dt64[..., None] * n["A"]) + (dt64 * n["x"])[..., None] * per_dim(n["B"])
-        y = ((new * per_dim(n["C"])).sum(-1) + n["D"] * n["x"]) * _silu(n["z"])
-        assert_close("state", provider.to_numpy(state), new, dtype)
-        assert_close("out", provider.to_numpy(out), y, dtype)
+    def check(out, last, grads):
+        assert_close("out tail", provider.to_numpy(out[1:, rows]), ref_out, "bfloat16")
+        assert_close("last_state tail", provider.to_numpy(last[1:, rows]), ref_last, "bfloat16")
+        for name in ("du", "ddelta", "dz"):
+            assert_close(f"{name} tail", provider.to_numpy(grads[name][1:, rows]), ref_grads[name], "bfloat16")
+    _each_backend(provider, t, dout, check)

@@ -1,4 +1,4 @@
-"""Mamba-1 selective scan: forward, backward (recompute) and the one-token decoding update.
+"""Mamba-1 selective scan: forward and backward (recompute); the decoding step is in ``state_update.py``.
 
 Shapes (``b`` batch, ``d`` dim, ``n`` dstate, ``l`` seqlen, ``g`` groups):
     u, delta, z, out, du, ddelta, dz     [b, d, l]   any strides (contiguous along l is fastest)
@@ -305,50 +305,15 @@ def _selective_scan_bwd_kernel(
         tl.atomic_add(ddelta_bias_ptr + d, ddb_acc, mask=mask_d, sem="relaxed")
 
 
-@triton.jit
-def _selective_state_update_kernel(
-        state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, out_ptr,
-        dim, dstate, dim_per_group,
-        s_st_b, s_st_d, s_st_n, s_x_b, s_x_d, s_dt_b, s_dt_d, s_A_d, s_A_n,
-        s_B_b, s_B_g, s_B_n, s_C_b, s_C_g, s_C_n, s_z_b, s_z_d, s_o_b, s_o_d,
-        HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    b64 = tl.program_id(1).to(tl.int64)
-    d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
-    d64 = d.to(tl.int64)
-    mask_d = d < dim
-    n = tl.arange(0, BLOCK_N)
-    mask = mask_d[:, None] & (n < dstate)[None, :]
-    group = (d // dim_per_group).to(tl.int64)[:, None]
-
-    st_ptrs = state_ptr + b64 * s_st_b + d64[:, None] * s_st_d + n[None, :] * s_st_n
-    state = tl.load(st_ptrs, mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + b64 * s_x_b + d64 * s_x_d, mask=mask_d, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + b64 * s_dt_b + d64 * s_dt_d, mask=mask_d, other=0.0).to(tl.float32)
-    if HAS_DT_BIAS:
-        dt += tl.load(dt_bias_ptr + d, mask=mask_d, other=0.0).to(tl.float32)
-    if DT_SOFTPLUS:
-        dt = _softplus(dt)
-    A = tl.load(A_ptr + d64[:, None] * s_A_d + n[None, :] * s_A_n, mask=mask, other=0.0).to(tl.float32)
-    Bv = tl.load(B_ptr + b64 * s_B_b + group * s_B_g + n[None, :] * s_B_n, mask=mask, other=0.0).to(tl.float32)
-    Cv = tl.load(C_ptr + b64 * s_C_b + group * s_C_g + n[None, :] * s_C_n, mask=mask, other=0.0).to(tl.float32)
-    state = state * tl.exp2(dt[:, None] * A * _LOG2E) + (dt * x)[:, None] * Bv
-    tl.store(st_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask)
-    y = tl.sum(state * Cv, axis=1)
-    if HAS_D:
-        y += tl.load(D_ptr + d, mask=mask_d, other=0.0).to(tl.float32) * x
-    if HAS_Z:
-        zv = tl.load(z_ptr + b64 * s_z_b + d64 * s_z_d, mask=mask_d, other=0.0).to(tl.float32)
-        y = y * zv * tl.sigmoid(zv)
-    tl.store(out_ptr + b64 * s_o_b + d64 * s_o_d, y.to(out_ptr.dtype.element_ty), mask=mask_d)
-
-
 # ----------------------------------------------------------------------------------------------
 # launchers
 
 CHUNK = 8  # steps each thread scans in registers
-FWD_ELEMS_PER_THREAD = 64  # state elements (CHUNK x in-thread states) a forward thread holds per tile
-BWD_ELEMS_PER_THREAD = 32  # the backward keeps about twice as many tiles alive
+# State elements (CHUNK x in-thread states) a thread holds per tile. At [8, 4096, 2048] dstate 16 on the
+# H200 (benchmarks/results/selective_scan.json sweep): forward 32 dims a program 0.73 ms (16: 1.04,
+# 8: 1.17); backward 8 dims 5.30 ms (4: 8.28, 16: 9.69): the backward keeps more tiles alive.
+FWD_ELEMS_PER_THREAD = 128
+BWD_ELEMS_PER_THREAD = 32
 
 
 class ScanPlan(NamedTuple):
@@ -537,52 +502,9 @@ def selective_scan_bwd(u, delta, A, B, C, dout, states, workspace, du, ddelta, d
         STORE_OUT_Z=out_z is not None, BLOCK_D=block_d, BLOCK_N=block_n, CHUNK=plan.chunk, num_warps=num_warps)
 
 
-def _state_bc(name, t, batch, dim, dstate):
-    """(groups, strides (b, g, n)) of the one-step B or C: [b, n] or [b, g, n]."""
-    dims, st = T.shape(t), T.strides(t)
-    if len(dims) == 2:
-        T.check_same_shape(name, t, (batch, dstate))
-        return 1, (st[0], 0, st[1])
-    if len(dims) == 3 and dims[0] == batch and dims[2] == dstate and dims[1] >= 1 and dim % dims[1] == 0:
-        return dims[1], st
-    raise ValueError(f"{name}: expected [batch={batch}, dstate={dstate}] or [batch, groups dividing dim={dim}, "
-                     f"dstate], got shape {dims}")
-
-
-def selective_state_update(state, x, dt, A, B, C, out, D=None, z=None, dt_bias=None, dt_softplus: bool = False,
-                           block_d=None) -> None:
-    """One decoding step. state [b, d, n] is updated in place (any float dtype; fp32 math):
-    state = exp(dt A) state + dt B x; out[b, d] = sum_n C state + D x (times silu(z)).
-    x, dt, z, out [b, d]; A [d, n]; B, C [b, n] or [b, g, n]; D, dt_bias [d]."""
-    if len(T.shape(state)) != 3:
-        raise ValueError(f"state: expected [batch, dim, dstate], got shape {T.shape(state)}")
-    batch, dim, dstate = T.shape(state)
-    for name, t in (("x", x), ("dt", dt), ("z", z), ("out", out)):
-        if t is not None:
-            T.check_same_shape(name, t, (batch, dim))
-    T.check_same_shape("A", A, (dim, dstate))
-    _check_vec("D", D, dim)
-    _check_vec("dt_bias", dt_bias, dim)
-    gB, sB = _state_bc("B", B, batch, dim, dstate)
-    gC, sC = _state_bc("C", C, batch, dim, dstate)
-    if gB != gC:
-        raise ValueError(f"B, C: expected the same number of groups, got {gB} and {gC}")
-    if batch * dim == 0:
-        return
-    block_n = triton.next_power_of_2(dstate)
-    block_d = block_d or max(1, min(triton.next_power_of_2(dim), 2048 // block_n))
-    grid = (triton.cdiv(dim, block_d), batch)
-    _selective_state_update_kernel[grid](
-        state, x, dt, A, B, C, D, z, dt_bias, out, dim, dstate, dim // gB,
-        *T.strides(state), *T.strides(x), *T.strides(dt), *T.strides(A), *sB, *sC,
-        *(T.strides(z) if z is not None else (0, 0)), *T.strides(out),
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None,
-        DT_SOFTPLUS=bool(dt_softplus), BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4)
-
-
 def compile_cases():
     """The canonical case (variable B/C, D, z, delta_bias, softplus) in each dtype, the fixed-B/C,
-    grouped and plain (no D/z/bias) variants in bf16, and the decoding step."""
+    grouped and plain (no D/z/bias) variants in bf16."""
     S = T.SpecTensor
     batch, dim, seqlen, dstate = 8, 4096, 2048, 16
     plan = scan_plan(seqlen)
@@ -610,8 +532,3 @@ def compile_cases():
             lambda a=(u, delta, A, Bs, Cs, out, states, work, du, ddelta, dA, dB, dC, D, z, bias, dD, dz, ddb,
                       out if z is not None else None): \
             selective_scan_bwd(*a, delta_softplus=kind != "plain")
-    for dtype in T.FLOAT_DTYPES:
-        state, x1, B1 = S((batch, dim, dstate), dtype), S((batch, dim), dtype), S((batch, dstate), dtype)
-        vec, A = S((dim,), "float32"), S((dim, dstate), "float32")
-        yield f"selective_state_update[{dtype}]", lambda a=(state, x1, x1, A, B1, B1, x1, vec, x1, vec): \
-            selective_state_update(*a, dt_softplus=True)

@@ -1,0 +1,205 @@
+"""Mamba-1 selective scan on the CUDA kernels of ``csrc/selective_scan.cu`` (ctypes over the C ABI).
+
+The launchers mirror ``kernels/triton/selective_scan.py`` (same tensors, shapes, accumulate-into-zeroed
+fp32 gradient contract; see that module's docstring), with the CUDA kernels' own plan: the forward
+saves the fp32 state at the end of every ``state_interval()`` steps (``states_shape``) and the
+backward needs no workspace (``workspace_shape`` is None). Real A only; complex A is not implemented
+here (the op raises before reaching these launchers). dstate up to 256, batch up to 65535.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import NamedTuple
+
+from ...runtime import tensor as T
+from . import library
+
+_c_ptr, _c_i64, _c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_NUM_STRIDES = 52
+_SIGNATURES = {
+    "pnf_selective_scan_state_interval": [],
+    "pnf_selective_scan_fwd": [_c_ptr] * 11 + [_c_i64] * 5 + [ctypes.POINTER(_c_i64), ctypes.POINTER(_c_int)] +
+                              [_c_int] * 4 + [_c_ptr],
+    "pnf_selective_scan_bwd": [_c_ptr] * 19 + [_c_i64] * 5 + [ctypes.POINTER(_c_i64), ctypes.POINTER(_c_int)] +
+                              [_c_int] * 4 + [_c_ptr],
+}
+_NO_BC = (False, 1, (0,) * 5)  # the B/C layout of an absent tensor
+_bound = None
+
+
+def _lib():
+    global _bound
+    lib = library.get()
+    if _bound is not lib:
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        _bound = lib
+    return lib
+
+
+class ScanPlan(NamedTuple):
+    """Saved states: one every ``interval`` steps (the backward's chunk), ``n_states`` of them."""
+    interval: int
+    n_states: int
+
+
+def state_interval() -> int:
+    return _lib().pnf_selective_scan_state_interval()
+
+
+def scan_plan(seqlen: int) -> ScanPlan:
+    interval = state_interval()
+    return ScanPlan(interval, max(1, -(-seqlen // interval)))
+
+
+def states_shape(batch: int, dim: int, dstate: int, plan: ScanPlan):
+    """The float32 states the forward saves for the backward (contiguous)."""
+    return (batch, dim, plan.n_states, dstate)
+
+
+def workspace_shape(batch: int, dim: int, dstate: int, plan: ScanPlan):
+    """The CUDA backward needs no workspace."""
+    return None
+
+
+def _bc_layout(name, t, batch, dim, dstate, seqlen):
+    """(variable, groups, strides (b, g, d, n, l)) of B or C (or their gradients)."""
+    dims, st = T.shape(t), T.strides(t)
+    if len(dims) == 2:
+        T.check_same_shape(name, t, (dim, dstate))
+        return False, 1, (0, 0, st[0], st[1], 0)
+    if len(dims) == 3:
+        T.check_same_shape(name, t, (batch, dstate, seqlen))
+        return True, 1, (st[0], 0, 0, st[1], st[2])
+    if len(dims) == 4:
+        if dims[0] != batch or dims[2:] != (dstate, seqlen) or dims[1] < 1 or dim % dims[1]:
+            raise ValueError(f"{name}: expected [batch={batch}, groups dividing dim={dim}, dstate={dstate}, "
+                             f"seqlen={seqlen}], got {dims}")
+        return True, dims[1], (st[0], st[1], 0, st[2], st[3])
+    raise ValueError(f"{name}: expected [dim, dstate], [batch, dstate, seqlen] or [batch, groups, dstate, "
+                     f"seqlen], got shape {dims}")
+
+
+def _scan_args(u, delta, A, B, C, D, z, delta_bias):
+    """Shapes checked; (batch, dim, seqlen, dstate, groups, B layout, C layout)."""
+    if len(T.shape(u)) != 3:
+        raise ValueError(f"u: expected [batch, dim, seqlen], got shape {T.shape(u)}")
+    batch, dim, seqlen = T.shape(u)
+    if len(T.shape(A)) != 2 or T.shape(A)[0] != dim:
+        raise ValueError(f"A: expected [dim={dim}, dstate], got shape {T.shape(A)}")
+    dstate = T.shape(A)[1]
+    dtype = T.dtype_name(u)
+    for name, t in (("delta", delta), ("z", z)):
+        if t is not None:
+            T.check_same_shape(name, t, (batch, dim, seqlen))
+            if T.dtype_name(t) != dtype:
+                raise TypeError(f"{name}: expected u's dtype {dtype}, got {T.dtype_name(t)}")
+    for name, t in (("D", D), ("delta_bias", delta_bias)):
+        if t is not None:
+            T.check_same_shape(name, t, (dim,))
+    B_lay, C_lay = _bc_layout("B", B, batch, dim, dstate, seqlen), _bc_layout("C", C, batch, dim, dstate, seqlen)
+    groups = {lay[1] for lay in (B_lay, C_lay) if lay[0]}
+    if len(groups) > 1:
+        raise ValueError(f"B, C: input-dependent B and C must have the same number of groups, got {sorted(groups)}")
+    return batch, dim, seqlen, dstate, (groups.pop() if groups else 1), B_lay, C_lay
+
+
+def _check_f32(name, t, shape=None):
+    if shape is not None:
+        T.check_same_shape(name, t, shape)
+    if T.dtype_name(t) != "float32":
+        raise TypeError(f"{name}: expected float32, got {T.dtype_name(t)}")
+
+
+def _seq(name, t, batch, dim, seqlen, dtype):
+    if t is None:
+        return (0, 0, 0)
+    T.check_same_shape(name, t, (batch, dim, seqlen))
+    if T.dtype_name(t) != dtype:
+        raise TypeError(f"{name}: expected u's dtype {dtype}, got {T.dtype_name(t)}")
+    return T.strides(t)
+
+
+def _code(t) -> int:
+    return 0 if t is None else library.dtype_code(T.dtype_name(t))
+
+
+def _ptr(t):
+    return None if t is None else t.data_ptr()
+
+
+def _arrays(seq_strides, A, B_lay, C_lay, dB_lay, dC_lay, last_strides, codes):
+    strides = [s for st in seq_strides for s in st] + list(T.strides(A)) + list(B_lay[2]) + list(C_lay[2]) + \
+        list(dB_lay[2]) + list(dC_lay[2]) + list(last_strides)
+    assert len(strides) == _NUM_STRIDES
+    return (_c_i64 * _NUM_STRIDES)(*strides), (_c_int * len(codes))(*codes)
+
+
+def selective_scan_fwd(u, delta, A, B, C, out, D=None, z=None, delta_bias=None, states=None, last_state=None,
+                       delta_softplus: bool = False, plan: ScanPlan | None = None, warps: int = 0) -> None:
+    """out [b, d, l] = the scan (times silu(z) when z is given), written in place; also the float32
+    ``states`` (``states_shape(..., plan)``) the backward needs and ``last_state`` [b, d, n], each
+    when given. ``warps``: dims (one a warp) a block (0: the library's default)."""
+    batch, dim, seqlen, dstate, groups, B_lay, C_lay = _scan_args(u, delta, A, B, C, D, z, delta_bias)
+    dtype = T.dtype_name(u)
+    plan = plan or scan_plan(seqlen)
+    if plan != scan_plan(seqlen):
+        raise ValueError(f"plan: expected {scan_plan(seqlen)} for seqlen {seqlen}, got {plan}")
+    if states is not None:
+        _check_f32("states", states, states_shape(batch, dim, dstate, plan))
+        T.check_contiguous("states", states)
+    if last_state is not None:
+        T.check_same_shape("last_state", last_state, (batch, dim, dstate))
+    seq = [_seq(name, t, batch, dim, seqlen, dtype) for name, t in
+           (("u", u), ("delta", delta), ("z", z), ("out", out))] + [(0, 0, 0)] * 5
+    strides, codes = _arrays(seq, A, B_lay, C_lay, _NO_BC, _NO_BC,
+                             T.strides(last_state) if last_state is not None else (0, 0, 0),
+                             [_code(u), _code(A), _code(B), _code(C), _code(D), _code(delta_bias), _code(last_state)])
+    library.check(_lib().pnf_selective_scan_fwd(
+        _ptr(u), _ptr(delta), _ptr(A), _ptr(B), _ptr(C), _ptr(D), _ptr(z), _ptr(delta_bias), _ptr(out),
+        _ptr(states), _ptr(last_state), batch, dim, seqlen, dstate, groups, strides, codes, int(B_lay[0]),
+        int(C_lay[0]), int(bool(delta_softplus)), int(warps), library.stream_of(u)), "selective_scan_fwd")
+
+
+def selective_scan_bwd(u, delta, A, B, C, dout, states, workspace, du, ddelta, dA, dB, dC, D=None, z=None,
+                       delta_bias=None, dD=None, dz=None, ddelta_bias=None, out_z=None,
+                       delta_softplus: bool = False, plan: ScanPlan | None = None, warps: int = 0) -> None:
+    """Gradients of the scan (the Triton launcher's contract; ``workspace`` must be None). Written:
+    du, ddelta, dz (with z), out_z (optional, with z). Accumulated into zeroed float32: dA [d, n]
+    contiguous, dB/dC shaped like B/C, dD, ddelta_bias [d]."""
+    batch, dim, seqlen, dstate, groups, B_lay, C_lay = _scan_args(u, delta, A, B, C, D, z, delta_bias)
+    dtype = T.dtype_name(u)
+    plan = plan or scan_plan(seqlen)
+    if plan != scan_plan(seqlen):
+        raise ValueError(f"plan: expected {scan_plan(seqlen)} for seqlen {seqlen}, got {plan}")
+    if workspace is not None:
+        raise ValueError("workspace: the CUDA backward takes none (workspace_shape is None)")
+    if (z is None) != (dz is None):
+        raise ValueError("dz: expected exactly when z is given")
+    if out_z is not None and z is None:
+        raise ValueError("out_z: the recomputed output is only written when z is given")
+    for name, t, given, what in (("dD", dD, D, "D"), ("ddelta_bias", ddelta_bias, delta_bias, "delta_bias")):
+        if (t is None) != (given is None):
+            raise ValueError(f"{name}: expected exactly when {what} is given")
+        if t is not None:
+            _check_f32(name, t, (dim,))
+            T.check_contiguous(name, t)
+    _check_f32("dA", dA, (dim, dstate))
+    T.check_contiguous("dA", dA)
+    _check_f32("states", states, states_shape(batch, dim, dstate, plan))
+    T.check_contiguous("states", states)
+    for name, t, like in (("dB", dB, B), ("dC", dC, C)):
+        _check_f32(name, t, T.shape(like))
+    dB_lay, dC_lay = _bc_layout("dB", dB, batch, dim, dstate, seqlen), _bc_layout("dC", dC, batch, dim, dstate, seqlen)
+    seq = [_seq(name, t, batch, dim, seqlen, dtype) for name, t in
+           (("u", u), ("delta", delta), ("z", z), ("out", None), ("dout", dout), ("du", du), ("ddelta", ddelta),
+            ("dz", dz), ("out_z", out_z))]
+    strides, codes = _arrays(seq, A, B_lay, C_lay, dB_lay, dC_lay, (0, 0, 0),
+                             [_code(u), _code(A), _code(B), _code(C), _code(D), _code(delta_bias), 0])
+    library.check(_lib().pnf_selective_scan_bwd(
+        _ptr(u), _ptr(delta), _ptr(A), _ptr(B), _ptr(C), _ptr(D), _ptr(z), _ptr(delta_bias), _ptr(dout),
+        _ptr(states), _ptr(du), _ptr(ddelta), _ptr(dA), _ptr(dB), _ptr(dC), _ptr(dD), _ptr(dz), _ptr(ddelta_bias),
+        _ptr(out_z), batch, dim, seqlen, dstate, groups, strides, codes, int(B_lay[0]), int(C_lay[0]),
+        int(bool(delta_softplus)), int(warps), library.stream_of(u)), "selective_scan_bwd")
