@@ -11,19 +11,31 @@
 //   h = x (+ residual, rounded to residual_out's dtype and stored); xhat = (h - mean) * rstd
 //   (RMSNorm: mean = 0); y = xhat * (weight + weight_offset) (+ bias).
 //
-// Forward: one block per row (grid-stride), each thread owns VEC-element vectors (16 bytes of T)
-// at stride blockDim; up to kFwdItems vectors a thread stay in registers, any further ones are
-// re-read (from L1/L2) in the later sweeps, so every N works. Exact two-sweep variance.
-// Backward: a persistent grid of P blocks per column slab; thread t of a block owns the same
-// columns for every row it visits, so its dweight/dbias sums stay in fp32 registers; each block
-// writes one partial row and a last kernel sums the P rows. When N exceeds one slab
-// (kBwdThreads * kBwdItems vectors), a pre-pass computes the per-row sums the slabs need.
+// Forward: rows that fit in one block's registers (aligned, no residual stream) take a persistent
+// grid (norm_fwd_staged_kernel): weight and bias stay in registers and x of the next rows streams
+// into shared memory with cp.async while the current row is reduced. Other rows: one block per row
+// (grid-stride), each thread owns VEC-element vectors (16 bytes of T) at stride blockDim; up to
+// kFwdItems vectors a thread stay in registers, any further ones are re-read (from L1/L2) in the
+// later sweeps, so every N works. Exact two-sweep variance in both.
+// Backward: a persistent grid of P blocks per column slab, sized to one wave; thread t of a block
+// owns the same columns for every row it visits, so its dweight/dbias sums stay in fp32 registers;
+// each block writes one partial row and a last kernel sums the P rows. With aligned rows, h and dy
+// of the block's next rows stream into shared memory (cp.async, kBwdStages deep) while the current
+// row is reduced: the rows in flight hide DRAM latency without holding registers. When N exceeds
+// one slab (kBwdThreads * kBwdItems vectors), a pre-pass computes the per-row sums the slabs need.
 // Unaligned rows (a pointer not 16-byte aligned, a stride or N not a multiple of VEC) take the
 // same code with element-wise loads (template flag), so the geometry never depends on alignment.
+// Variants (vectors per thread, stages, blocks per SM) are arguments of the entry points, 0/-1 for
+// the defaults below (tuning sweeps them; tests/gpu/test_norm.py checks each). Defaults from the
+// sweep on the H200, [16384, 4096] bf16, CUDA-graph timing: backward, 2 vectors a thread and 2
+// stages 0.134 ms LayerNorm / 0.121 RMSNorm (3 stages 0.149 / 0.136, 1 vector 0.150 / 0.137,
+// unstaged 0.223 / 0.211, forcing 1 or 3 blocks per SM slower); forward staged with 2 vectors
+// 0.080 / 0.078 ms (block per row 0.121 / 0.098).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <initializer_list>
+#include <mutex>
 
 #include "pnf.h"
 
@@ -31,7 +43,10 @@ namespace {
 
 constexpr int kFwdItems = 4;      // vectors per thread kept in registers by the forward
 constexpr int kFwdThreads = 512;    // so 128 registers a thread fit
+constexpr int kFwdStagedItems = 2; // vectors per thread of the staged forward
+constexpr int kFwdStages = 2;      // rows in flight per block of the staged forward (0: block per row)
 constexpr int kBwdItems = 2;      // vectors per thread (and slab width) of the backward
+constexpr int kBwdStages = 2;     // rows staged in shared memory by the backward (0: none)
 constexpr int kBwdThreads = 512;
 constexpr int kStatThreads = 1024; // backward pre-pass for sliced rows (nothing held in registers)
 constexpr int kSumRows = 8;       // partial rows summed in parallel by the final reduction
@@ -340,14 +355,13 @@ struct BwdArgs {
 // xhat and dy of a thread's ITEMS vectors of a row (0 past the row), and their terms of
 // sum(xhat * w dy) and sum(w dy) added to c.
 template <typename T, int ITEMS, int VEC, bool ALIGNED>
-__device__ __forceinline__ void bwd_terms(const BwdArgs& a, int64_t row, int64_t v0, int64_t step, int64_t v_end,
-                                          const float (&w)[ITEMS][VEC], float (&xhat)[ITEMS][VEC],
-                                          float (&dy)[ITEMS][VEC], float (&c)[2]) {
+__device__ __forceinline__ void bwd_terms(const BwdArgs& a, int64_t row, float mean, float rstd, int64_t v0,
+                                          int64_t step, int64_t v_end, const float (&w)[ITEMS][VEC],
+                                          float (&xhat)[ITEMS][VEC], float (&dy)[ITEMS][VEC], float (&c)[2]) {
   load_items_any<ITEMS, VEC, ALIGNED, false>(offset_row(a.h, a.h_dtype, row * a.stride_h), a.h_dtype, v0, step,
                                              v_end, a.cols, xhat);
   load_items<T, ITEMS, VEC, ALIGNED, false>(static_cast<const T*>(a.dy) + row * a.stride_dy, v0, step, v_end,
                                             a.cols, dy);
-  const float mean = a.is_rms ? 0.f : a.mean[row], rstd = a.rstd[row];
 #pragma unroll
   for (int it = 0; it < ITEMS; ++it)
 #pragma unroll
@@ -380,7 +394,8 @@ __global__ void __launch_bounds__(kStatThreads) norm_bwd_rowstats_kernel(const B
     for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
       float w[1][VEC], xhat[1][VEC], dy[1][VEC];
       load_weight<1, VEC, ALIGNED>(a, v, blockDim.x, nvec, w);
-      bwd_terms<T, 1, VEC, ALIGNED>(a, row, v, blockDim.x, nvec, w, xhat, dy, c);
+      bwd_terms<T, 1, VEC, ALIGNED>(a, row, a.is_rms ? 0.f : a.mean[row], a.rstd[row], v, blockDim.x, nvec, w, xhat,
+                                    dy, c);
     }
     block_sum<2>(c, smem);
     if (threadIdx.x == 0) {
@@ -390,21 +405,87 @@ __global__ void __launch_bounds__(kStatThreads) norm_bwd_rowstats_kernel(const B
   }
 }
 
-// Grid (P, slabs): block (p, s) takes rows p, p + P, ... and the columns of slab s.
-template <typename T, bool ALIGNED>
+// cp.async (sm_80+): 16 bytes global -> shared, zero-filled when !valid (src is then not read).
+// A thread reads back only what it copied itself, so cp.async.wait_group (no barrier) suffices.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Grid (P, slabs): block (p, s) takes rows p, p + P, ... and the columns of slab s; each thread
+// ITEMS vectors of them. STAGES > 1 (aligned rows, h in x's dtype): h and dy of the next
+// STAGES - 1 rows stream into shared memory (cp.async) while the current row is reduced, so a
+// block keeps rows in flight without holding them in registers; STAGES == 0 loads each row when
+// it is needed.
+template <typename T, bool ALIGNED, int ITEMS, int STAGES>
 __global__ void __launch_bounds__(kBwdThreads) norm_bwd_kernel(const BwdArgs a) {
   constexpr int VEC = 16 / sizeof(T);
+  static_assert(STAGES == 0 || (STAGES > 1 && ALIGNED), "staged loads need aligned rows");
+  extern __shared__ uint4 staged[];  // [STAGES][2 (h, dy)][ITEMS][blockDim.x]
   __shared__ float smem[64];
   const int64_t n = a.cols, nvec = (n + VEC - 1) / VEC, step = blockDim.x;
-  const int64_t v0 = blockIdx.y * step * kBwdItems + threadIdx.x;
-  const int64_t v_end = min(nvec, (blockIdx.y + 1) * step * kBwdItems);
+  const int64_t v0 = blockIdx.y * step * ITEMS + threadIdx.x;
+  const int64_t v_end = min(nvec, (blockIdx.y + 1) * step * ITEMS);
   const bool whole_row = gridDim.y == 1;
-  float w[kBwdItems][VEC], dw[kBwdItems][VEC] = {}, db[kBwdItems][VEC] = {};
-  load_weight<kBwdItems, VEC, ALIGNED>(a, v0, step, v_end, w);
+  float w[ITEMS][VEC], dw[ITEMS][VEC] = {}, db[ITEMS][VEC] = {};
+  load_weight<ITEMS, VEC, ALIGNED>(a, v0, step, v_end, w);
+  auto slot = [&](int stage, int which, int it) { return staged + ((stage * 2 + which) * ITEMS + it) * step + threadIdx.x; };
+  auto issue = [&](int stage, int64_t row) {  // one commit group per row (empty past the last row)
+    if (row < a.rows) {
+      const T* h = static_cast<const T*>(a.h) + row * a.stride_h;
+      const T* dy = static_cast<const T*>(a.dy) + row * a.stride_dy;
+#pragma unroll
+      for (int it = 0; it < ITEMS; ++it) {
+        const int64_t v = v0 + it * step;
+        cp_async16(slot(stage, 0, it), v < v_end ? h + v * VEC : h, v < v_end);
+        cp_async16(slot(stage, 1, it), v < v_end ? dy + v * VEC : dy, v < v_end);
+      }
+    }
+    cp_async_commit();
+  };
+  if constexpr (STAGES > 1) {
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) issue(s, blockIdx.x + static_cast<int64_t>(s) * gridDim.x);
+  }
+  int stage = 0;
+  // this row's mean and rstd, loaded one row ahead (their latency would stall every row otherwise)
+  float next_mean = 0.f, next_rstd = 0.f;
+  if (blockIdx.x < a.rows) {
+    next_mean = a.is_rms ? 0.f : a.mean[blockIdx.x];
+    next_rstd = a.rstd[blockIdx.x];
+  }
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    float xhat[kBwdItems][VEC], g[kBwdItems][VEC];  // g: dy, then dh
+    float xhat[ITEMS][VEC], g[ITEMS][VEC];  // g: dy, then dh
     float c[2] = {0.f, 0.f};
-    bwd_terms<T, kBwdItems, VEC, ALIGNED>(a, row, v0, step, v_end, w, xhat, g, c);
+    const float mean = next_mean, rstd = next_rstd;
+    if (row + gridDim.x < a.rows) {
+      next_mean = a.is_rms ? 0.f : a.mean[row + gridDim.x];
+      next_rstd = a.rstd[row + gridDim.x];
+    }
+    if constexpr (STAGES > 1) {
+      issue((stage + STAGES - 1) % STAGES, row + static_cast<int64_t>(STAGES - 1) * gridDim.x);
+      cp_async_wait<STAGES - 1>();  // this row's group has landed
+#pragma unroll
+      for (int it = 0; it < ITEMS; ++it) {
+        alignas(16) T raw_h[VEC], raw_dy[VEC];
+        *reinterpret_cast<uint4*>(raw_h) = *slot(stage, 0, it);
+        *reinterpret_cast<uint4*>(raw_dy) = *slot(stage, 1, it);
+        const bool in_row = v0 + it * step < v_end;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          xhat[it][i] = in_row ? (to_float(raw_h[i]) - mean) * rstd : 0.f;
+          g[it][i] = in_row ? to_float(raw_dy[i]) : 0.f;
+          c[0] += xhat[it][i] * g[it][i] * w[it][i];
+          c[1] += g[it][i] * w[it][i];
+        }
+      }
+      stage = (stage + 1) % STAGES;
+    } else {
+      bwd_terms<T, ITEMS, VEC, ALIGNED>(a, row, mean, rstd, v0, step, v_end, w, xhat, g, c);
+    }
     if (whole_row) {
       block_sum<2>(c, smem);
       c[0] /= n;
@@ -414,9 +495,8 @@ __global__ void __launch_bounds__(kBwdThreads) norm_bwd_kernel(const BwdArgs a) 
       c[1] = a.rowstats[2 * row + 1];
     }
     if (a.is_rms) c[1] = 0.f;
-    const float rstd = a.rstd[row];
 #pragma unroll
-    for (int it = 0; it < kBwdItems; ++it)
+    for (int it = 0; it < ITEMS; ++it)
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
         dw[it][i] += g[it][i] * xhat[it][i];
@@ -424,28 +504,115 @@ __global__ void __launch_bounds__(kBwdThreads) norm_bwd_kernel(const BwdArgs a) 
         g[it][i] = (g[it][i] * w[it][i] - xhat[it][i] * c[0] - c[1]) * rstd;
       }
     if (a.dres_out)
-      load_items_any<kBwdItems, VEC, ALIGNED, true>(offset_row(a.dres_out, a.dres_out_dtype, row * a.stride_dres_out),
-                                                    a.dres_out_dtype, v0, step, v_end, n, g);
-    store_items<T, kBwdItems, VEC, ALIGNED>(static_cast<T*>(a.dx) + row * a.stride_dx, v0, step, v_end, n, g);
+      load_items_any<ITEMS, VEC, ALIGNED, true>(offset_row(a.dres_out, a.dres_out_dtype, row * a.stride_dres_out),
+                                                a.dres_out_dtype, v0, step, v_end, n, g);
+    store_items<T, ITEMS, VEC, ALIGNED>(static_cast<T*>(a.dx) + row * a.stride_dx, v0, step, v_end, n, g);
     if (a.dres)
-      store_items_any<kBwdItems, VEC, ALIGNED>(offset_row(a.dres, a.dres_dtype, row * a.stride_dres), a.dres_dtype,
-                                               v0, step, v_end, n, g);
+      store_items_any<ITEMS, VEC, ALIGNED>(offset_row(a.dres, a.dres_dtype, row * a.stride_dres), a.dres_dtype, v0,
+                                           step, v_end, n, g);
   }
-  store_items<float, kBwdItems, VEC, false>(a.partials + blockIdx.x * n, v0, step, v_end, n, dw);
-  if (a.has_bias) store_items<float, kBwdItems, VEC, false>(a.partials + (a.num_partials + blockIdx.x) * n, v0, step,
-                                                            v_end, n, db);
+  if constexpr (STAGES > 1) cp_async_wait<0>();
+  store_items<float, ITEMS, VEC, false>(a.partials + blockIdx.x * n, v0, step, v_end, n, dw);
+  if (a.has_bias)
+    store_items<float, ITEMS, VEC, false>(a.partials + (a.num_partials + blockIdx.x) * n, v0, step, v_end, n, db);
 }
 
-// Block (32, kSumRows), grid (cdiv(N, 32), n_sums): out[c] = sum_p partials[which, p, c].
-__global__ void sum_partials_kernel(const float* partials, int64_t num_partials, int64_t cols, void* dweight,
-                                    void* dbias, int out_dtype) {
+// Forward of rows that fit in a block's registers (aligned rows, no residual stream): a
+// persistent grid, block p takes rows p, p + P, ...; weight and bias stay in registers, and x of
+// the next STAGES - 1 rows streams into shared memory (cp.async) while the current row is
+// normalised. Same arithmetic as norm_fwd_kernel.
+template <typename T, int ITEMS, int STAGES>
+__global__ void __launch_bounds__(kFwdThreads) norm_fwd_staged_kernel(const FwdArgs a) {
+  constexpr int VEC = 16 / sizeof(T);
+  static_assert(STAGES > 1, "at least one row in flight");
+  extern __shared__ uint4 staged[];  // [STAGES][ITEMS][blockDim.x]
+  __shared__ float smem[32];
+  const int64_t n = a.cols, nvec = n / VEC, step = blockDim.x;
+  float w[ITEMS][VEC], b[ITEMS][VEC];
+  load_items_any<ITEMS, VEC, true, false>(a.weight, a.w_dtype, threadIdx.x, step, nvec, n, w);
+#pragma unroll
+  for (int it = 0; it < ITEMS; ++it)
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      w[it][i] += a.weight_offset;
+      b[it][i] = 0.f;
+    }
+  if (a.bias) load_items_any<ITEMS, VEC, true, false>(a.bias, a.w_dtype, threadIdx.x, step, nvec, n, b);
+  auto slot = [&](int stage, int it) { return staged + (stage * ITEMS + it) * step + threadIdx.x; };
+  auto issue = [&](int stage, int64_t row) {  // one commit group per row (empty past the last row)
+    if (row < a.rows) {
+      const T* x = static_cast<const T*>(a.x) + row * a.stride_x;
+#pragma unroll
+      for (int it = 0; it < ITEMS; ++it) {
+        const int64_t v = threadIdx.x + it * step;
+        cp_async16(slot(stage, it), v < nvec ? x + v * VEC : x, v < nvec);  // zeros past the row
+      }
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(s, blockIdx.x + static_cast<int64_t>(s) * gridDim.x);
+  int stage = 0;
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    issue((stage + STAGES - 1) % STAGES, row + static_cast<int64_t>(STAGES - 1) * gridDim.x);
+    cp_async_wait<STAGES - 1>();  // this row's group has landed (vectors past the row read 0)
+    float h[ITEMS][VEC], acc[1] = {0.f};
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) {
+      alignas(16) T raw[VEC];
+      *reinterpret_cast<uint4*>(raw) = *slot(stage, it);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        h[it][i] = to_float(raw[i]);
+        acc[0] += a.is_rms ? h[it][i] * h[it][i] : h[it][i];
+      }
+    }
+    stage = (stage + 1) % STAGES;
+    block_sum<1>(acc, smem);
+    float mean = 0.f, var = acc[0] / n;
+    if (!a.is_rms) {  // exact second sweep over the centred values
+      mean = var;
+      float sq[1] = {0.f};
+#pragma unroll
+      for (int it = 0; it < ITEMS; ++it)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const float d = threadIdx.x + it * step < nvec ? h[it][i] - mean : 0.f;
+          sq[0] += d * d;
+        }
+      block_sum<1>(sq, smem);
+      var = sq[0] / n;
+    }
+    const float rstd = rsqrtf(var + a.eps);
+    T* y = static_cast<T*>(a.y) + row * a.stride_y;
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) {
+      const int64_t v = threadIdx.x + it * step;
+      if (v >= nvec) continue;
+      float out[VEC];
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) out[i] = (h[it][i] - mean) * rstd * w[it][i] + b[it][i];
+      store_vec<T, VEC, true>(y, v * VEC, n, out);
+    }
+    if (threadIdx.x == 0) {
+      if (!a.is_rms) a.mean[row] = mean;
+      a.rstd[row] = rstd;
+    }
+  }
+  cp_async_wait<0>();
+}
+
+// Block (32, kSumRows), grid (cdiv(N, 32), n_sums): out[c] = sum over the first `used` rows p of
+// partials[which, p, c] (num_partials rows per sum).
+__global__ void sum_partials_kernel(const float* partials, int64_t used, int64_t num_partials, int64_t cols,
+                                    void* dweight, void* dbias, int out_dtype) {
   __shared__ float smem[kSumRows][33];
   const int64_t col = blockIdx.x * 32 + threadIdx.x;
   const float* part = partials + blockIdx.y * num_partials * cols;
   float s = 0.f;
   if (col < cols) {
 #pragma unroll 8
-    for (int64_t p = threadIdx.y; p < num_partials; p += kSumRows) s += part[p * cols + col];
+    for (int64_t p = threadIdx.y; p < used; p += kSumRows) s += part[p * cols + col];
   }
   smem[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
@@ -481,65 +648,164 @@ int pow2_threads(int64_t vectors, int items, int lo, int hi) {
 
 unsigned grid_rows(int64_t rows) { return static_cast<unsigned>(rows < (1 << 20) ? (rows > 0 ? rows : 1) : (1 << 20)); }
 
-template <typename T, bool ALIGNED>
-int bwd_occupancy(int threads) {
-  int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, norm_bwd_kernel<T, ALIGNED>, threads, 0) != cudaSuccess)
-    return -1;
-  return blocks;
+template <typename T>
+void launch_rowstats(const BwdArgs& a, bool aligned, int threads, cudaStream_t stream) {
+  if (aligned)
+    norm_bwd_rowstats_kernel<T, true><<<grid_rows(a.rows), threads, 0, stream>>>(a);
+  else
+    norm_bwd_rowstats_kernel<T, false><<<grid_rows(a.rows), threads, 0, stream>>>(a);
 }
 
-int bwd_blocks_per_sm(int x_dtype, int threads) {
-  switch (x_dtype) {
-    case PNF_FLOAT16: return bwd_occupancy<__half, true>(threads);
-    case PNF_BFLOAT16: return bwd_occupancy<__nv_bfloat16, true>(threads);
-    default: return bwd_occupancy<float, true>(threads);
+// Backward variant: vectors per thread (ITEMS), staged rows (STAGES, 0: none), and blocks per SM
+// (0: as many as fit). Chosen per call from N; tuning passes explicit values.
+struct BwdConfig {
+  int items, stages, blocks_per_sm;
+};
+
+BwdConfig bwd_config(int items, int stages, int blocks_per_sm) {
+  return {items > 0 ? items : kBwdItems, stages >= 0 ? stages : kBwdStages, blocks_per_sm > 0 ? blocks_per_sm : 0};
+}
+
+bool valid_config(const BwdConfig& c) {
+  return (c.items == 1 || c.items == 2) && (c.stages == 0 || c.stages == 2 || c.stages == 3) &&
+         c.blocks_per_sm >= 0;
+}
+
+using BwdKernel = void (*)(BwdArgs);
+
+template <typename T, bool ALIGNED, int ITEMS>
+BwdKernel bwd_kernel_of(int stages) {
+  if constexpr (ALIGNED) {
+    if (stages == 2) return norm_bwd_kernel<T, true, ITEMS, 2>;
+    if (stages == 3) return norm_bwd_kernel<T, true, ITEMS, 3>;
   }
+  return norm_bwd_kernel<T, ALIGNED, ITEMS, 0>;
 }
 
 template <typename T>
-void launch_fwd(const FwdArgs& a, bool aligned, int threads, cudaStream_t stream) {
+BwdKernel bwd_kernel_of(bool aligned, const BwdConfig& c) {
+  const int stages = aligned ? c.stages : 0;
+  switch (c.items) {
+    case 1: return aligned ? bwd_kernel_of<T, true, 1>(stages) : bwd_kernel_of<T, false, 1>(0);
+    default: return aligned ? bwd_kernel_of<T, true, 2>(stages) : bwd_kernel_of<T, false, 2>(0);
+  }
+}
+
+BwdKernel bwd_kernel_for(int x_dtype, bool aligned, const BwdConfig& c) {
+  switch (x_dtype) {
+    case PNF_FLOAT16: return bwd_kernel_of<__half>(aligned, c);
+    case PNF_BFLOAT16: return bwd_kernel_of<__nv_bfloat16>(aligned, c);
+    default: return bwd_kernel_of<float>(aligned, c);
+  }
+}
+
+// Backward geometry: threads per block and column slabs for N columns of x_dtype.
+void bwd_geometry(int x_dtype, int64_t cols, int items, int* threads, int64_t* slabs) {
+  const int64_t nvec = (cols + vec_of(x_dtype) - 1) / vec_of(x_dtype);
+  *threads = pow2_threads(nvec, items, 32, kBwdThreads);
+  const int64_t slab_vecs = static_cast<int64_t>(*threads) * items;
+  *slabs = (nvec + slab_vecs - 1) / slab_vecs;
+}
+
+size_t bwd_staged_bytes(bool staged, const BwdConfig& c, int threads) {
+  return staged ? static_cast<size_t>(c.stages) * 2 * c.items * threads * sizeof(uint4) : 0;
+}
+
+// The status of a failed device query (never PNF_OK: nothing was launched).
+int query_failed() {
+  const int status = pnf_check_launch();
+  return status != PNF_OK ? status : PNF_ERR_CUDA;
+}
+
+// Blocks of a kernel resident at once on the device (0 on error): per SM as many as fit (or
+// c.blocks_per_sm), times the SMs. The occupancy query (and the shared-memory opt-in it needs)
+// runs once per kernel, block size and device; later calls read a small table.
+template <typename Kernel>
+int64_t resident_blocks(Kernel kernel, int threads, size_t smem, const BwdConfig& c) {
+  struct Entry {
+    const void* kernel;
+    int threads, device, sms, per_sm;
+    size_t smem;
+  };
+  static std::mutex mutex;
+  static Entry table[64];
+  static int used = 0;
+  int device;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  const void* key = reinterpret_cast<const void*>(kernel);
+  int sms = 0, per_sm = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (int i = 0; i < used && !sms; ++i)
+      if (table[i].kernel == key && table[i].threads == threads && table[i].smem == smem && table[i].device == device) {
+        sms = table[i].sms;
+        per_sm = table[i].per_sm;
+      }
+  }
+  if (!sms) {
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
+    // Dynamic shared memory past 48 KiB (less the static part) must be opted into; raise the
+    // kernel's limit, never lower it (a narrower row asks for less than a wider one did).
+    cudaFuncAttributes attr;
+    if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) return 0;
+    if (static_cast<size_t>(attr.maxDynamicSharedSizeBytes) < smem &&
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) != cudaSuccess)
+      return 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess) return 0;
+    std::lock_guard<std::mutex> lock(mutex);
+    if (used < 64) table[used++] = {key, threads, device, sms, per_sm, smem};
+  }
+  if (c.blocks_per_sm > 0) per_sm = c.blocks_per_sm;
+  return static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
+}
+
+// Forward variant (BwdConfig's fields): stages 0 is the block-per-row kernel; stages 2 or 3 the
+// staged persistent one where it applies (aligned rows of at most kFwdThreads * items vectors,
+// no residual stream).
+using FwdKernel = void (*)(FwdArgs);
+
+template <typename T>
+FwdKernel fwd_staged_kernel_of(const BwdConfig& c) {
+  if (c.items == 1) return c.stages == 3 ? norm_fwd_staged_kernel<T, 1, 3> : norm_fwd_staged_kernel<T, 1, 2>;
+  return c.stages == 3 ? norm_fwd_staged_kernel<T, 2, 3> : norm_fwd_staged_kernel<T, 2, 2>;
+}
+
+template <typename T>
+int launch_fwd(const FwdArgs& a, bool aligned, const BwdConfig& c, cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int64_t nvec = (a.cols + kVec - 1) / kVec;
+  const int staged_threads = pow2_threads(nvec, c.items, 32, kFwdThreads);
+  if (c.stages > 1 && aligned && !a.residual && !a.residual_out &&
+      nvec <= static_cast<int64_t>(staged_threads) * c.items) {
+    const FwdKernel kernel = fwd_staged_kernel_of<T>(c);
+    const size_t smem = static_cast<size_t>(c.stages) * c.items * staged_threads * sizeof(uint4);
+    const int64_t resident = resident_blocks(kernel, staged_threads, smem, c);
+    if (resident == 0) return query_failed();
+    const int64_t blocks = resident < a.rows ? resident : a.rows;
+    kernel<<<static_cast<unsigned>(blocks), staged_threads, smem, stream>>>(a);
+    return pnf_check_launch();
+  }
+  const int threads = pow2_threads(nvec, kFwdItems, 32, kFwdThreads);
   if (aligned)
     norm_fwd_kernel<T, true><<<grid_rows(a.rows), threads, 0, stream>>>(a);
   else
     norm_fwd_kernel<T, false><<<grid_rows(a.rows), threads, 0, stream>>>(a);
-}
-
-template <typename T>
-void launch_bwd(const BwdArgs& a, bool aligned, int threads, int slabs, cudaStream_t stream) {
-  if (slabs > 1) {
-    constexpr int kVec = 16 / sizeof(T);
-    const int stat_threads = pow2_threads((a.cols + kVec - 1) / kVec, kFwdItems, 32, kStatThreads);
-    if (aligned)
-      norm_bwd_rowstats_kernel<T, true><<<grid_rows(a.rows), stat_threads, 0, stream>>>(a);
-    else
-      norm_bwd_rowstats_kernel<T, false><<<grid_rows(a.rows), stat_threads, 0, stream>>>(a);
-  }
-  const dim3 grid(static_cast<unsigned>(a.num_partials), static_cast<unsigned>(slabs));
-  if (aligned)
-    norm_bwd_kernel<T, true><<<grid, threads, 0, stream>>>(a);
-  else
-    norm_bwd_kernel<T, false><<<grid, threads, 0, stream>>>(a);
-}
-
-// Backward geometry: threads per block and column slabs for N columns of x_dtype.
-void bwd_geometry(int x_dtype, int64_t cols, int* threads, int64_t* slabs) {
-  const int64_t nvec = (cols + vec_of(x_dtype) - 1) / vec_of(x_dtype);
-  *threads = pow2_threads(nvec, kBwdItems, 32, kBwdThreads);
-  const int64_t slab_vecs = static_cast<int64_t>(*threads) * kBwdItems;
-  *slabs = (nvec + slab_vecs - 1) / slab_vecs;
+  return pnf_check_launch();
 }
 
 }  // namespace
 
 // y = norm(x (+ residual)); writes y, residual_out (if non-null), mean (LayerNorm) and rstd.
+// items, stages, blocks_per_sm: the variant (0, -1, 0: the default; see launch_fwd).
 PNF_EXPORT int pnf_norm_fwd(const void* x, const void* residual, const void* weight, const void* bias, void* y,
                             void* residual_out, float* mean, float* rstd, int64_t rows, int64_t cols,
                             int64_t stride_x, int64_t stride_res, int64_t stride_y, int64_t stride_res_out,
                             int x_dtype, int res_dtype, int res_out_dtype, int w_dtype, float eps,
-                            float weight_offset, int is_rms, void* stream) {
+                            float weight_offset, int is_rms, int items, int stages, int blocks_per_sm, void* stream) {
+  const BwdConfig c{items > 0 ? items : kFwdStagedItems, stages >= 0 ? stages : kFwdStages,
+                    blocks_per_sm > 0 ? blocks_per_sm : 0};
   if (rows < 0 || cols < 0 || !valid_dtype(x_dtype) || !valid_dtype(res_dtype) || !valid_dtype(res_out_dtype) ||
-      !valid_dtype(w_dtype))
+      !valid_dtype(w_dtype) || !valid_config(c))
     return PNF_ERR_INVALID_ARGUMENT;
   if (rows == 0 || cols == 0) return PNF_OK;  // (empty tensors may have null pointers)
   if (!x || !weight || !y || !rstd || (!is_rms && !mean)) return PNF_ERR_INVALID_ARGUMENT;
@@ -548,31 +814,34 @@ PNF_EXPORT int pnf_norm_fwd(const void* x, const void* residual, const void* wei
   const int vec = vec_of(x_dtype);
   const bool aligned = aligned_rows(vec, cols, {x, residual, weight, bias, y, residual_out},
                                     {stride_x, residual ? stride_res : 0, stride_y, residual_out ? stride_res_out : 0});
-  const int threads = pow2_threads((cols + vec - 1) / vec, kFwdItems, 32, kFwdThreads);
   auto s = static_cast<cudaStream_t>(stream);
   switch (x_dtype) {
-    case PNF_FLOAT16: launch_fwd<__half>(a, aligned, threads, s); break;
-    case PNF_BFLOAT16: launch_fwd<__nv_bfloat16>(a, aligned, threads, s); break;
-    default: launch_fwd<float>(a, aligned, threads, s);
+    case PNF_FLOAT16: return launch_fwd<__half>(a, aligned, c, s);
+    case PNF_BFLOAT16: return launch_fwd<__nv_bfloat16>(a, aligned, c, s);
+    default: return launch_fwd<float>(a, aligned, c, s);
   }
-  return pnf_check_launch();
 }
 
 // The backward's workspace: partials [n_sums, *num_partials, cols] fp32, and rowstats [rows, 2] fp32
-// when *needs_rowstats. Sized from the occupancy of the backward kernel on the current device.
-PNF_EXPORT int pnf_norm_bwd_workspace(int x_dtype, int64_t rows, int64_t cols, int64_t* num_partials,
-                                      int* needs_rowstats) {
-  if (rows < 0 || cols < 0 || !valid_dtype(x_dtype) || !num_partials || !needs_rowstats)
+// when *needs_rowstats. Sized from the occupancy of the backward kernel on the current device;
+// items, stages, blocks_per_sm: the variant (0, -1, 0: the default), the same as pnf_norm_bwd gets.
+PNF_EXPORT int pnf_norm_bwd_workspace(int x_dtype, int64_t rows, int64_t cols, int items, int stages,
+                                      int blocks_per_sm, int64_t* num_partials, int* needs_rowstats) {
+  const BwdConfig c = bwd_config(items, stages, blocks_per_sm);
+  if (rows < 0 || cols < 0 || !valid_dtype(x_dtype) || !valid_config(c) || !num_partials || !needs_rowstats)
     return PNF_ERR_INVALID_ARGUMENT;
-  int threads, device, sms;
+  int threads;
   int64_t slabs;
-  bwd_geometry(x_dtype, cols, &threads, &slabs);
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    return pnf_check_launch();
-  const int per_sm = bwd_blocks_per_sm(x_dtype, threads);
-  if (per_sm < 0) return pnf_check_launch();
-  const int64_t programs = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1) / slabs;
+  bwd_geometry(x_dtype, cols, c.items, &threads, &slabs);
+  // an upper bound: the staged (aligned) and the element-wise kernels may fit differently
+  int64_t resident = 0;
+  for (bool aligned : {true, false}) {
+    const int64_t r = resident_blocks(bwd_kernel_for(x_dtype, aligned, c), threads,
+                                          bwd_staged_bytes(aligned && c.stages > 1, c, threads), c);
+    if (r == 0) return query_failed();
+    resident = r > resident ? r : resident;
+  }
+  const int64_t programs = resident / slabs;
   *num_partials = programs < 1 ? 1 : (programs < rows ? programs : (rows > 0 ? rows : 1));
   *needs_rowstats = slabs > 1;
   return PNF_OK;
@@ -585,16 +854,18 @@ PNF_EXPORT int pnf_norm_bwd(const void* h, const void* weight, const float* mean
                             float* rowstats, int64_t num_partials, int64_t rows, int64_t cols, int64_t stride_h,
                             int64_t stride_dy, int64_t stride_dres_out, int64_t stride_dx, int64_t stride_dres,
                             int x_dtype, int h_dtype, int dres_out_dtype, int dres_dtype, int w_dtype,
-                            float weight_offset, int is_rms, void* stream) {
+                            float weight_offset, int is_rms, int items, int stages, int blocks_per_sm, void* stream) {
+  const BwdConfig c = bwd_config(items, stages, blocks_per_sm);
   if (rows < 0 || cols < 0 || num_partials < 1 || num_partials > 0x7fffffff || !valid_dtype(x_dtype) ||
-      !valid_dtype(h_dtype) || !valid_dtype(dres_out_dtype) || !valid_dtype(dres_dtype) || !valid_dtype(w_dtype))
+      !valid_dtype(h_dtype) || !valid_dtype(dres_out_dtype) || !valid_dtype(dres_dtype) || !valid_dtype(w_dtype) ||
+      !valid_config(c))
     return PNF_ERR_INVALID_ARGUMENT;
   if (cols == 0) return PNF_OK;
   if (!weight || !dweight || !partials || (rows > 0 && (!h || !rstd || !dy || !dx || (!is_rms && !mean))))
     return PNF_ERR_INVALID_ARGUMENT;  // (with no rows the row tensors are empty and may be null)
   int threads;
   int64_t slabs;
-  bwd_geometry(x_dtype, cols, &threads, &slabs);
+  bwd_geometry(x_dtype, cols, c.items, &threads, &slabs);
   if (slabs > 1 && !rowstats) return PNF_ERR_INVALID_ARGUMENT;
   BwdArgs a{h, weight, mean, rstd, dy, dres_out, rowstats, dx, dres, partials, rows, cols, stride_h, stride_dy,
             stride_dres_out, stride_dx, stride_dres, num_partials, h_dtype, dres_out_dtype, dres_dtype, w_dtype,
@@ -604,14 +875,31 @@ PNF_EXPORT int pnf_norm_bwd(const void* h, const void* weight, const float* mean
                                     {stride_h, stride_dy, dres_out ? stride_dres_out : 0, stride_dx,
                                      dres ? stride_dres : 0});
   auto s = static_cast<cudaStream_t>(stream);
-  switch (x_dtype) {  // with no rows the blocks write zero partial sums
-    case PNF_FLOAT16: launch_bwd<__half>(a, aligned, threads, static_cast<int>(slabs), s); break;
-    case PNF_BFLOAT16: launch_bwd<__nv_bfloat16>(a, aligned, threads, static_cast<int>(slabs), s); break;
-    default: launch_bwd<float>(a, aligned, threads, static_cast<int>(slabs), s);
+  if (slabs > 1 && rows > 0) {
+    const int stat_threads = pow2_threads((cols + vec - 1) / vec, kFwdItems, 32, kStatThreads);
+    switch (x_dtype) {
+      case PNF_FLOAT16: launch_rowstats<__half>(a, aligned, stat_threads, s); break;
+      case PNF_BFLOAT16: launch_rowstats<__nv_bfloat16>(a, aligned, stat_threads, s); break;
+      default: launch_rowstats<float>(a, aligned, stat_threads, s);
+    }
   }
+  // the staged kernel reads h as x's dtype: a residual stream of another dtype takes the other
+  const bool staged = aligned && c.stages > 1 && h_dtype == x_dtype;
+  BwdConfig used = c;
+  if (!staged) used.stages = 0;
+  const BwdKernel kernel = bwd_kernel_for(x_dtype, aligned, used);
+  const size_t smem = bwd_staged_bytes(staged, used, threads);
+  const int64_t resident = resident_blocks(kernel, threads, smem, used);
+  if (resident == 0) return query_failed();
+  int64_t programs = resident / slabs;  // one wave, each block with its own partial row
+  programs = programs < num_partials ? programs : num_partials;
+  programs = programs < rows ? programs : (rows > 0 ? rows : 1);  // with no rows one block writes zeros
+  programs = programs < 1 ? 1 : programs;
+  kernel<<<dim3(static_cast<unsigned>(programs), static_cast<unsigned>(slabs)), threads, smem, s>>>(a);
   int status = pnf_check_launch();
   if (status != PNF_OK) return status;
   const dim3 grid(static_cast<unsigned>((cols + 31) / 32), dbias ? 2u : 1u);
-  sum_partials_kernel<<<grid, dim3(32, kSumRows), 0, s>>>(partials, num_partials, cols, dweight, dbias, w_dtype);
+  sum_partials_kernel<<<grid, dim3(32, kSumRows), 0, s>>>(partials, programs, num_partials, cols, dweight, dbias,
+                                                          w_dtype);
   return pnf_check_launch();
 }

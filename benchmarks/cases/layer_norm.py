@@ -5,8 +5,14 @@ runs the same code for RMSNorm.
 Bytes, PERFORMANCE.md's floor: the forward reads x and writes y (2MN elements); fwd+bwd reads x
 twice, dy once and writes y and dx (5MN elements, 10 bytes each in bf16). Weights, mean/rstd and
 the backward's dweight partial sums (P x N fp32) are not counted. Also: a sweep of hidden sizes at
-constant M*N (TB/s per backend, ``sweep``) and a tuning grid of the Triton kernels' tiles, warps
-and persistent-grid size (``triton_tuning``; the rows above use the launchers' defaults).
+constant M*N (TB/s per backend, ``sweep``).
+
+Two timings of every row, both medians of ``bench_ms`` (L2 flushed before each call): ``*_ms`` calls
+the Python launchers eagerly, as ``common.bench_ms`` does everywhere; ``*_graph_ms`` replays the
+same calls captured in a CUDA graph, which leaves out the host's launch cost (Triton's Python
+launcher costs tens of microseconds a kernel; when the host is slower than the GPU the eager figure
+measures the host, which made earlier backward timings jump between runs). In a training step the
+host runs ahead of the GPU and the graph figure is what the GPU spends. Torch gets both too.
 """
 
 from __future__ import annotations
@@ -23,18 +29,17 @@ TARGETS = {False: {"fwdbwd_ms": 0.20, "speedup_vs_torch": 2.2}, True: {"fwdbwd_m
 DTYPE = "bfloat16"
 
 
-def _ours(provider, backend, x, w, b, dy, is_rms, fwd_config=None, bwd_config=None):
-    """fwd, bwd, fwd+bwd and a fresh-allocation fwd+bwd of one backend, with its outputs;
-    ``fwd_config`` / ``bwd_config``: Triton launcher overrides (tuning)."""
+def _ours(provider, backend, x, w, b, dy, is_rms):
+    """fwd, bwd, fwd+bwd and a fresh-allocation fwd+bwd of one backend (launcher defaults), with
+    its outputs."""
     M, N = x.shape
     kernels = {"triton": triton_norm, "cuda": cuda_norm}[backend]
-    fwd_config, bwd_config = fwd_config or {}, bwd_config or {}
 
     def buffers():
         if backend == "cuda":
             partials, rowstats = cuda_norm.bwd_workspace_shapes(M, N, DTYPE, b is not None)
         else:
-            partials, rowstats = triton_norm.bwd_workspace_shapes(M, N, b is not None, **bwd_config)
+            partials, rowstats = triton_norm.bwd_workspace_shapes(M, N, b is not None)
         return dict(y=provider.empty((M, N), DTYPE), mean=None if is_rms else provider.empty((M,), "float32"),
                     rstd=provider.empty((M,), "float32"), dx=provider.empty((M, N), DTYPE),
                     dw=provider.empty((N,), DTYPE), db=None if b is None else provider.empty((N,), DTYPE),
@@ -44,11 +49,11 @@ def _ours(provider, backend, x, w, b, dy, is_rms, fwd_config=None, bwd_config=No
     eps = 1e-6 if is_rms else 1e-5
 
     def fwd(o):
-        kernels.norm_fwd(x, w, b, o["y"], o["mean"], o["rstd"], eps=eps, is_rms_norm=is_rms, **fwd_config)
+        kernels.norm_fwd(x, w, b, o["y"], o["mean"], o["rstd"], eps=eps, is_rms_norm=is_rms)
 
     def bwd(o):
         kernels.norm_bwd(x, w, o["mean"], o["rstd"], dy, o["dx"], o["dw"], o["partials"], dbias=o["db"],
-                         rowstats=o["rowstats"], is_rms_norm=is_rms, **bwd_config)
+                         rowstats=o["rowstats"], is_rms_norm=is_rms)
 
     out = buffers()
 
@@ -109,34 +114,28 @@ def _err(out, ref) -> float:
     return rel_err(out.double().cpu().numpy(), ref.cpu().numpy())
 
 
-def _tune_triton(provider, x, w, b, dy, is_rms) -> list:
-    """Triton forward and backward alone under launcher overrides: at the canonical shape the
-    tile rows / warps and the backward's programs per SM (None: fitted to the compiled kernel);
-    at N = 16384 the register-tile cap of each pass."""
-    results = []
+def graph_ms(provider, fn, rep_ms: int = 100):
+    """``bench_ms`` of ``fn`` captured once in a CUDA graph and replayed (torch provider; None
+    elsewhere or where capture fails)."""
+    if getattr(provider, "name", None) != "torch":
+        return None
+    import torch
 
-    def record(pass_, shape, config, fn):
-        results.append({"pass": pass_, "shape": list(shape), **config, "ms": bench_ms(fn, warmup_ms=10, rep_ms=60)})
-
-    for rows, warps in ((1, 8), (2, 8), (2, 16), (4, 8)):
-        config = {"rows": rows, "num_warps": warps}
-        fwd, _, _, _, _ = _ours(provider, "triton", x, w, b, dy, is_rms, fwd_config=config)
-        record("fwd", x.shape, config, fwd)
-    for rows, warps in ((1, 4), (1, 8), (1, 16)):
-        for per_sm in (None, 2, 3, 4):
-            config = {"rows": rows, "num_warps": warps, "programs_per_sm": per_sm}
-            _, bwd, _, _, _ = _ours(provider, "triton", x, w, b, dy, is_rms, bwd_config=config)
-            record("bwd", x.shape, config, bwd)
-    wide = _inputs(provider, x.shape[0] * x.shape[1] // 16384, 16384, is_rms)
-    for max_block, warps in ((8192, 16), (16384, 16)):
-        config = {"max_block": max_block, "num_warps": warps}
-        fwd, _, _, _, _ = _ours(provider, "triton", *wide, is_rms, fwd_config=config)
-        record("fwd", wide[0].shape, config, fwd)
-    for max_block in (4096, 8192):
-        config = {"max_block": max_block}
-        _, bwd, _, _, _ = _ours(provider, "triton", *wide, is_rms, bwd_config=config)
-        record("bwd", wide[0].shape, config, bwd)
-    return results
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture (torch's recipe for autograd capture)
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return None
+    return bench_ms(graph.replay, warmup_ms=10, rep_ms=rep_ms)
 
 
 def run_norm(provider, quick: bool, is_rms: bool) -> dict:
@@ -148,29 +147,32 @@ def run_norm(provider, quick: bool, is_rms: bool) -> dict:
     grad_bytes = (M * N + 2 * N) * esize
     rows = []
     for backend in ("triton", "cuda"):
-        fwd, _, fwdbwd, fresh, out = _ours(provider, backend, x, w, b, dy, is_rms)
+        fwd, bwd, fwdbwd, fresh, out = _ours(provider, backend, x, w, b, dy, is_rms)
         fwdbwd()
         provider.synchronize()
         rows.append({"impl": f"paddlenlp_fused/{backend}", "fwd_ms": bench_ms(fwd), "fwdbwd_ms": bench_ms(fwdbwd),
+                     "fwd_graph_ms": graph_ms(provider, fwd), "bwd_graph_ms": graph_ms(provider, bwd),
+                     "fwdbwd_graph_ms": graph_ms(provider, fwdbwd),
                      "peak_GiB": peak_GiB(provider, fresh, exclude_bytes=grad_bytes),
                      "rel_err": _err(out["y"], ref_y), "rel_err_dx": _err(out["dx"], ref_dx)})
         del out
     t_fwd, t_fwdbwd, xg = _torch(x, w, b, dy, is_rms)
     t_fwdbwd()
     rows.append({"impl": "torch", "fwd_ms": bench_ms(t_fwd), "fwdbwd_ms": bench_ms(t_fwdbwd),
+                 "fwd_graph_ms": graph_ms(provider, t_fwd), "fwdbwd_graph_ms": graph_ms(provider, t_fwdbwd),
                  "peak_GiB": peak_GiB(provider, t_fwdbwd, exclude_bytes=grad_bytes),
                  "rel_err": _err(t_fwd(), ref_y), "rel_err_dx": _err(t_fwdbwd()[0], ref_dx)})
-    del xg, ref_y, ref_dx
-    torch_ms = rows[-1]["fwdbwd_ms"]
+    del xg, ref_y, ref_dx, x, w, b, dy
     for row in rows:
-        row["fwd_TBps"] = TBps(fwd_bytes, row["fwd_ms"])
-        row["fwdbwd_TBps"] = TBps(fwdbwd_bytes, row["fwdbwd_ms"])
-        row["speedup_vs_torch"] = torch_ms / row["fwdbwd_ms"]
-
-    tuning = _tune_triton(provider, x, w, b, dy, is_rms)
-    _, cuda_bwd, _, _, out = _ours(provider, "cuda", x, w, b, dy, is_rms)
-    cuda_bwd_ms = {"num_partials": out["partials"].shape[1], "bwd_ms": bench_ms(cuda_bwd)}
-    del x, w, b, dy, out
+        for key in ("fwdbwd_ms", "fwdbwd_graph_ms"):
+            torch_ms = rows[-1].get(key)
+            if row.get(key) and torch_ms:
+                suffix = "_graph" if "graph" in key else ""
+                row[f"speedup_vs_torch{suffix}"] = torch_ms / row[key]
+        for key, n_bytes in (("fwd_ms", fwd_bytes), ("fwdbwd_ms", fwdbwd_bytes), ("fwd_graph_ms", fwd_bytes),
+                             ("fwdbwd_graph_ms", fwdbwd_bytes)):
+            if row.get(key):
+                row[key.replace("_ms", "_TBps")] = TBps(n_bytes, row[key])
 
     sweep = []
     total = M * N
@@ -181,13 +183,16 @@ def run_norm(provider, quick: bool, is_rms: bool) -> dict:
         impls = {name: _ours(provider, name, x, w, b, dy, is_rms) for name in ("triton", "cuda")}
         for name, (fwd, _, fwdbwd, _, _) in impls.items():
             fwdbwd()
-            entry[f"{name}_fwd_ms"], entry[f"{name}_fwdbwd_ms"] = bench_ms(fwd, rep_ms=100), bench_ms(fwdbwd, rep_ms=100)
+            entry[f"{name}_fwdbwd_ms"] = bench_ms(fwdbwd, rep_ms=40)
+            entry[f"{name}_fwd_graph_ms"] = graph_ms(provider, fwd, rep_ms=30)
+            entry[f"{name}_fwdbwd_graph_ms"] = graph_ms(provider, fwdbwd, rep_ms=30)
         t_fwd, t_fwdbwd, xg = _torch(x, w, b, dy, is_rms)
         t_fwdbwd()
-        entry["torch_fwd_ms"], entry["torch_fwdbwd_ms"] = bench_ms(t_fwd, rep_ms=100), bench_ms(t_fwdbwd, rep_ms=100)
-        for name in ("triton", "cuda", "torch"):
-            entry[f"{name}_fwd_TBps"] = TBps(2 * m * n * esize, entry[f"{name}_fwd_ms"])
-            entry[f"{name}_fwdbwd_TBps"] = TBps(5 * m * n * esize, entry[f"{name}_fwdbwd_ms"])
+        entry["torch_fwdbwd_ms"] = bench_ms(t_fwdbwd, rep_ms=40)
+        entry["torch_fwdbwd_graph_ms"] = graph_ms(provider, t_fwdbwd, rep_ms=30)
+        for key in [k for k in entry if k.endswith("_ms") and entry[k]]:
+            n_bytes = (2 if "_fwd_" in key else 5) * m * n * esize
+            entry[key.replace("_ms", "_TBps")] = TBps(n_bytes, entry[key])
         sweep.append(entry)
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in entry.items()), flush=True)
         del x, w, b, dy, impls, xg
@@ -196,7 +201,8 @@ def run_norm(provider, quick: bool, is_rms: bool) -> dict:
             "bytes": {"fwd": fwd_bytes, "fwdbwd": fwdbwd_bytes,
                       "floor_fwdbwd_ms_at_4.25TBps": fwdbwd_bytes / 4.25e12 * 1e3},
             "rows": rows, "target": TARGETS[is_rms], "sweep": sweep,
-            "triton_tuning": tuning, "cuda_bwd": cuda_bwd_ms,
+            "timing": "*_ms: eager launcher calls (common.bench_ms); *_graph_ms: the same calls replayed as a "
+                      "CUDA graph (no host launch cost); both medians with L2 flushed before each call",
             "peak_note": f"peak_GiB excludes dx, dweight(, dbias): {grad_bytes / GiB:.3f} GiB"}
 
 

@@ -18,11 +18,12 @@ DTYPES = ("float32", "float16", "bfloat16")
 SHAPES = [(1, 1), (300, 1), (37, 7), (1, 4096), (1000, 4096), (257, 8192), (5, 12345), (64, 65536)]  # (M, N)
 
 
-def _workspace(provider, backend, M, N, dtype, has_bias, group_size=None):
+def _workspace(provider, backend, M, N, dtype, has_bias, group_size=None, **options):
     if backend == "cuda":
-        partials, rowstats = cuda_norm.bwd_workspace_shapes(M, N, dtype, has_bias)
+        partials, rowstats = cuda_norm.bwd_workspace_shapes(M, N, dtype, has_bias, **options)
     else:
-        partials, rowstats = triton_norm.bwd_workspace_shapes(M, N, has_bias, group_size)
+        grid_options = {k: v for k, v in options.items() if k in ("rows", "num_warps", "programs_per_sm")}
+        partials, rowstats = triton_norm.bwd_workspace_shapes(M, N, has_bias, group_size, **grid_options)
     return provider.poisoned(partials, "float32"), None if rowstats is None else provider.poisoned(rowstats, "float32")
 
 
@@ -45,8 +46,10 @@ def _reference(h, w, b, dy, dres_out, eps, is_rms):
 
 
 def _run(provider, backend, x, w, b, dy, *, residual=None, res_out_dtype=None, dres_out=None, eps=1e-5,
-         is_rms=False, weight_offset=0.0):
-    """Forward and backward of one backend on poisoned outputs; returns them as float64 arrays."""
+         is_rms=False, weight_offset=0.0, fwd_options=None, bwd_options=None):
+    """Forward and backward of one backend on poisoned outputs; returns them as float64 arrays.
+    ``fwd_options`` / ``bwd_options``: launcher variant overrides (and the workspace's)."""
+    fwd_options, bwd_options = fwd_options or {}, bwd_options or {}
     K = KERNELS[backend]
     M, N = x.shape
     dtype = str(x.dtype).split(".")[-1]
@@ -54,16 +57,16 @@ def _run(provider, backend, x, w, b, dy, *, residual=None, res_out_dtype=None, d
     mean = None if is_rms else provider.poisoned((M,), "float32")
     res_out = None if res_out_dtype is None else provider.poisoned((M, N), res_out_dtype)
     K.norm_fwd(x, w, b, y, mean, rstd, residual=residual, residual_out=res_out, eps=eps, is_rms_norm=is_rms,
-               weight_offset=weight_offset)
+               weight_offset=weight_offset, **fwd_options)
     dx = provider.poisoned((M, N), dtype)
     res_dtype = None if residual is None else str(residual.dtype).split(".")[-1]
     dres = provider.poisoned((M, N), res_dtype) if res_dtype not in (None, dtype) else None
     dw = provider.poisoned(tuple(w.shape), str(w.dtype).split(".")[-1])
     db = None if b is None else provider.poisoned(tuple(b.shape), str(b.dtype).split(".")[-1])
-    partials, rowstats = _workspace(provider, backend, M, N, dtype, b is not None)
+    partials, rowstats = _workspace(provider, backend, M, N, dtype, b is not None, **bwd_options)
     K.norm_bwd(res_out if res_out is not None else x, w, mean, rstd, dy, dx, dw, partials, dbias=db,
                dresidual_out=dres_out, dresidual=dres, rowstats=rowstats, is_rms_norm=is_rms,
-               weight_offset=weight_offset)
+               weight_offset=weight_offset, **bwd_options)
     provider.synchronize()
     out = {"y": y, "dx": dx, "dweight": dw, "dbias": db, "residual_out": res_out, "dresidual": dres}
     return {k: provider.to_numpy(v) for k, v in out.items() if v is not None}
@@ -121,6 +124,49 @@ def test_residual_stream_and_its_gradient(provider, dtype, res_dtype, res_out_dt
         assert_close("dresidual", got["dresidual"], dh, res_dtype)
     assert_close("dweight", got["dweight"], dw, dtype)
     assert_close("dbias", got["dbias"], db, dtype)
+
+
+# launch variants besides the defaults: CUDA vectors per thread, staged rows, blocks per SM (all that
+# the entry points take); Triton tiles, warps, pipelining depth, weight held or reloaded (a few)
+VARIANTS = [("cuda", dict(items=i, stages=s), dict(items=i, stages=s, blocks_per_sm=bps))
+            for i in (1, 2) for s in (0, 2, 3) for bps in (None, 1)] + \
+           [("triton", dict(rows=r, num_warps=nw), dict(rows=r, num_warps=nw, num_stages=s, reload_weight=rw))
+            for r, nw, s, rw in ((1, 8, 3, False), (1, 16, 2, True), (2, 8, 1, True))]
+
+
+@pytest.mark.parametrize("N", [4096, 6000, 24576])
+@pytest.mark.parametrize("is_rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("backend,fwd_options,bwd_options", VARIANTS, ids=str)
+def test_launch_variants_bfloat16(provider, backend, fwd_options, bwd_options, is_rms, N):
+    """Each variant (vectors per thread, rows staged in shared memory, tiles, warps, blocks per
+    SM) against float64, at widths that fit one block, leave part of one unused, and need slabs."""
+    M = 700
+    x, dy = provider.randn((M, N), "bfloat16", scale=2.0, offset=0.5), provider.randn((M, N), "bfloat16")
+    w = provider.randn((N,), "bfloat16")
+    b = None if is_rms else provider.randn((N,), "bfloat16")
+    got = _run(provider, backend, x, w, b, dy, is_rms=is_rms, fwd_options=fwd_options, bwd_options=bwd_options)
+    y, dh, dw, db, _ = _reference(provider.to_numpy(x), provider.to_numpy(w), None if b is None else provider.to_numpy(b),
+                                  provider.to_numpy(dy), None, 1e-5, is_rms)
+    for name, ref in (("y", y), ("dx", dh), ("dweight", dw)) + ((("dbias", db),) if b is not None else ()):
+        assert_close(f"{backend} {name}", got[name], ref, "bfloat16")
+
+
+@pytest.mark.parametrize("is_rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_cuda_staged_kernels_after_a_wider_row(provider, is_rms):
+    """The staged CUDA kernels ask for shared memory by row width: a narrower row after a wider
+    one must not lower the kernel's limit under what the wider one needs again (it did: invalid
+    argument at the third call)."""
+    for N in (6000, 2048, 4096, 6000):
+        M = 64
+        x, dy = provider.randn((M, N), "bfloat16"), provider.randn((M, N), "bfloat16")
+        w = provider.randn((N,), "bfloat16")
+        b = None if is_rms else provider.randn((N,), "bfloat16")
+        got = _run(provider, "cuda", x, w, b, dy, is_rms=is_rms)
+        y, dh, dw, _, _ = _reference(provider.to_numpy(x), provider.to_numpy(w),
+                                     None if b is None else provider.to_numpy(b), provider.to_numpy(dy), None, 1e-5,
+                                     is_rms)
+        for name, ref in (("y", y), ("dx", dh), ("dweight", dw)):
+            assert_close(f"{name} N={N}", got[name], ref, "bfloat16")
 
 
 @pytest.mark.parametrize("backend", sorted(KERNELS))
@@ -202,6 +248,17 @@ def sanitize_smoke() -> None:
     from paddlenlp_fused.testing.providers import gpu_provider
 
     provider = gpu_provider()
+    for backend, fwd_options, bwd_options in VARIANTS:  # no residual: the staged CUDA kernels too
+        if backend == "cuda" or bwd_options == dict(rows=1, num_warps=8, num_stages=3, reload_weight=False):
+            for M, N in ((5, 256), (3, 8200)):
+                x, w, b, dy = (provider.randn((M, N), "bfloat16"), provider.randn((N,), "bfloat16"),
+                               provider.randn((N,), "bfloat16"), provider.randn((M, N), "bfloat16"))
+                got = _run(provider, backend, x, w, b, dy, fwd_options=fwd_options, bwd_options=bwd_options)
+                ref = _reference(provider.to_numpy(x), provider.to_numpy(w), provider.to_numpy(b), provider.to_numpy(dy),
+                                 None, 1e-5, False)
+                for name, r in zip(("y", "dx", "dweight", "dbias"), ref[:4]):
+                    assert_close(f"{backend} {name} [{M}, {N}] {bwd_options}", got[name], r, "bfloat16")
+    print("ok launch variants [5, 256], [3, 8200]", flush=True)
     for backend in sorted(KERNELS):
         for M, N in ((5, 256), (3, 12345), (4, 7)):  # aligned, column slabs + chunks, element-wise
             x, res = provider.randn((M, N), "bfloat16"), provider.randn((M, N), "float32")

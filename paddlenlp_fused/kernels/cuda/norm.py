@@ -14,9 +14,9 @@ from . import library
 
 _c_ptr, _c_i64, _c_int, _c_float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
-    "pnf_norm_fwd": [_c_ptr] * 8 + [_c_i64] * 6 + [_c_int] * 4 + [_c_float, _c_float, _c_int, _c_ptr],
-    "pnf_norm_bwd_workspace": [_c_int, _c_i64, _c_i64, ctypes.POINTER(_c_i64), ctypes.POINTER(_c_int)],
-    "pnf_norm_bwd": [_c_ptr] * 12 + [_c_i64] * 8 + [_c_int] * 5 + [_c_float, _c_int, _c_ptr],
+    "pnf_norm_fwd": [_c_ptr] * 8 + [_c_i64] * 6 + [_c_int] * 4 + [_c_float, _c_float] + [_c_int] * 4 + [_c_ptr],
+    "pnf_norm_bwd_workspace": [_c_int, _c_i64, _c_i64] + [_c_int] * 3 + [ctypes.POINTER(_c_i64), ctypes.POINTER(_c_int)],
+    "pnf_norm_bwd": [_c_ptr] * 12 + [_c_i64] * 8 + [_c_int] * 5 + [_c_float] + [_c_int] * 4 + [_c_ptr],
 }
 _bound = None
 
@@ -40,23 +40,40 @@ def _code(t, default: int = 0) -> int:
     return default if t is None else library.dtype_code(T.dtype_name(t))
 
 
-def _row_stride(t) -> int:
-    return 0 if t is None else T.strides(t)[0]
+def _row_stride(name: str, t, M: int, N: int) -> int:
+    """The row stride of t, an [M, N] matrix with a contiguous last axis (0 for None); reads its
+    layout once (the launchers' host time adds to the GPU's when the host is the slower)."""
+    if t is None:
+        return 0
+    shape, strides = T.shape(t), T.strides(t)
+    if shape != (M, N):
+        raise ValueError(f"{name}: expected shape {(M, N)}, got {shape}")
+    if M and N > 1 and strides[1] != 1:
+        raise ValueError(f"{name}: last axis must be contiguous, got strides {strides}")
+    return strides[0]
 
 
 def _check_vectors(named, length: int) -> None:
     for name, t in named:
         if t is not None:
-            T.check_same_shape(name, t, (length,))
-            T.check_contiguous(name, t)
+            shape = T.shape(t)
+            if shape != (length,):
+                raise ValueError(f"{name}: expected shape {(length,)}, got {shape}")
+            if length > 1 and T.strides(t)[0] != 1:
+                raise ValueError(f"{name}: launcher expects a contiguous tensor, got strides {T.strides(t)}")
 
 
 def _check_fp32(named) -> None:
     for name, t in named:
-        if t is not None:
-            if T.dtype_name(t) != "float32":
-                raise TypeError(f"{name}: expected float32, got {T.dtype_name(t)}")
-            T.check_contiguous(name, t)
+        if t is not None and T.dtype_name(t) != "float32":
+            raise TypeError(f"{name}: expected float32, got {T.dtype_name(t)}")
+
+
+def _matrix_shape(name: str, t) -> tuple:
+    shape = T.shape(t)
+    if len(shape) != 2:
+        raise ValueError(f"{name}: expected a 2-D tensor [M, N], got shape {shape}")
+    return shape
 
 
 def _check_weight_dtypes(weight, others) -> None:
@@ -65,23 +82,37 @@ def _check_weight_dtypes(weight, others) -> None:
             raise TypeError(f"{name}: expected the weight's dtype {T.dtype_name(weight)}, got {T.dtype_name(t)}")
 
 
-def bwd_workspace_shapes(M: int, N: int, dtype: str, has_bias: bool):
+def _variant(items, stages, blocks_per_sm) -> tuple:
+    """The backward variant's C arguments: None takes the library's default."""
+    return (0 if items is None else int(items), -1 if stages is None else int(stages),
+            0 if blocks_per_sm is None else int(blocks_per_sm))
+
+
+def bwd_workspace_shapes(M: int, N: int, dtype: str, has_bias: bool, *, items=None, stages=None,
+                         blocks_per_sm=None):
     """(partials [n_sums, P, N], rowstats [M, 2] or None): the fp32 workspaces ``norm_bwd`` takes;
-    P fills the current device at the backward kernel's occupancy."""
+    P fills the current device at the backward kernel's occupancy. ``items`` (vectors per thread,
+    1 or 2), ``stages`` (rows staged in shared memory: 0, 2 or 3) and ``blocks_per_sm`` override
+    the backward's variant (tuning; pass the same values to ``norm_bwd``)."""
     num_partials, needs_rowstats = _c_i64(), _c_int()
-    library.check(_lib().pnf_norm_bwd_workspace(library.dtype_code(dtype), M, N, ctypes.byref(num_partials),
-                                                 ctypes.byref(needs_rowstats)), "norm_bwd_workspace")
+    library.check(_lib().pnf_norm_bwd_workspace(library.dtype_code(dtype), M, N,
+                                                 *_variant(items, stages, blocks_per_sm),
+                                                 ctypes.byref(num_partials), ctypes.byref(needs_rowstats)),
+                  "norm_bwd_workspace")
     return (2 if has_bias else 1, num_partials.value, N), ((M, 2) if needs_rowstats.value else None)
 
 
 def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None, eps: float = 1e-5,
-             is_rms_norm: bool = False, weight_offset: float = 0.0) -> None:
-    """y = norm(x (+ residual)); writes y, residual_out (if given), mean (LayerNorm) and rstd."""
-    if len(T.shape(x)) != 2:
-        raise ValueError(f"x: expected a 2-D tensor [M, N], got shape {T.shape(x)}")
-    M, N = T.shape(x)
-    for name, t in (("x", x), ("y", y), ("residual", residual), ("residual_out", residual_out)):
-        T.check_rows(name, t, M, N)
+             is_rms_norm: bool = False, weight_offset: float = 0.0, items=None, stages=None,
+             blocks_per_sm=None) -> None:
+    """y = norm(x (+ residual)); writes y, residual_out (if given), mean (LayerNorm) and rstd.
+    ``stages`` 2 or 3 takes the staged persistent kernel where it applies (aligned rows of at most
+    1024 vectors of 16 bytes, no residual), with ``items`` (1 or 2) vectors per thread and
+    ``blocks_per_sm``; 0 the block-per-row kernel (tuning; None: the library's default)."""
+    M, N = _matrix_shape("x", x)
+    stride_x, stride_res, stride_y, stride_res_out = (
+        _row_stride(name, t, M, N) for name, t in (("x", x), ("residual", residual), ("y", y),
+                                                   ("residual_out", residual_out)))
     if not is_rms_norm and mean is None:
         raise ValueError("mean: LayerNorm needs the [M] fp32 mean buffer")
     _check_vectors((("weight", weight), ("bias", bias)), N)
@@ -92,20 +123,22 @@ def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None
         raise TypeError(f"y: expected x's dtype {T.dtype_name(x)}, got {T.dtype_name(y)}")
     library.check(_lib().pnf_norm_fwd(
         _ptr(x), _ptr(residual), _ptr(weight), _ptr(bias), _ptr(y), _ptr(residual_out),
-        None if is_rms_norm else _ptr(mean), _ptr(rstd), M, N, T.strides(x)[0], _row_stride(residual),
-        T.strides(y)[0], _row_stride(residual_out), _code(x), _code(residual), _code(residual_out),
-        _code(weight), float(eps), float(weight_offset), int(is_rms_norm), library.stream_of(x)), "norm_fwd")
+        None if is_rms_norm else _ptr(mean), _ptr(rstd), M, N, stride_x, stride_res, stride_y, stride_res_out,
+        _code(x), _code(residual), _code(residual_out),
+        _code(weight), float(eps), float(weight_offset), int(is_rms_norm), *_variant(items, stages, blocks_per_sm),
+        library.stream_of(x)), "norm_fwd")
 
 
 def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dresidual_out=None,
-             dresidual=None, rowstats=None, is_rms_norm: bool = False, weight_offset: float = 0.0) -> None:
+             dresidual=None, rowstats=None, is_rms_norm: bool = False, weight_offset: float = 0.0,
+             items=None, stages=None, blocks_per_sm=None) -> None:
     """Gradients of ``norm_fwd`` (h: residual_out when the forward stored one, else x): dx (= dh,
-    plus dresidual_out), dresidual (dh in its own dtype), dweight, dbias."""
-    if len(T.shape(h)) != 2:
-        raise ValueError(f"h: expected a 2-D tensor [M, N], got shape {T.shape(h)}")
-    M, N = T.shape(h)
-    for name, t in (("h", h), ("dy", dy), ("dx", dx), ("dresidual_out", dresidual_out), ("dresidual", dresidual)):
-        T.check_rows(name, t, M, N)
+    plus dresidual_out), dresidual (dh in its own dtype), dweight, dbias. ``items``, ``stages``,
+    ``blocks_per_sm``: as in ``bwd_workspace_shapes``."""
+    M, N = _matrix_shape("h", h)
+    stride_h, stride_dy, stride_dx, stride_dres_out, stride_dres = (
+        _row_stride(name, t, M, N) for name, t in (("h", h), ("dy", dy), ("dx", dx), ("dresidual_out", dresidual_out),
+                                                   ("dresidual", dresidual)))
     if T.dtype_name(dy) != T.dtype_name(dx):
         raise TypeError(f"dx: expected dy's dtype {T.dtype_name(dy)}, got {T.dtype_name(dx)}")
     if not is_rms_norm and mean is None:
@@ -117,12 +150,13 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dr
     if len(shape) != 3 or shape[0] != n_sums or shape[1] < 1 or shape[2] != N:
         raise ValueError(f"partials: expected an fp32 workspace [{n_sums}, P >= 1, {N}], got shape {shape}")
     _check_fp32((("partials", partials), ("rowstats", rowstats), ("mean", mean), ("rstd", rstd)))
+    T.check_contiguous("partials", partials)
     if rowstats is not None:  # the library says when it needs one (bwd_workspace_shapes)
         T.check_same_shape("rowstats", rowstats, (M, 2))
+        T.check_contiguous("rowstats", rowstats)
     library.check(_lib().pnf_norm_bwd(
         _ptr(h), _ptr(weight), None if is_rms_norm else _ptr(mean), _ptr(rstd), _ptr(dy), _ptr(dresidual_out),
         _ptr(dx), _ptr(dresidual), _ptr(dweight), _ptr(dbias), _ptr(partials),
-        _ptr(rowstats), shape[1], M, N, T.strides(h)[0], T.strides(dy)[0],
-        _row_stride(dresidual_out), T.strides(dx)[0], _row_stride(dresidual), _code(dy), _code(h),
+        _ptr(rowstats), shape[1], M, N, stride_h, stride_dy, stride_dres_out, stride_dx, stride_dres, _code(dy), _code(h),
         _code(dresidual_out), _code(dresidual), _code(weight), float(weight_offset), int(is_rms_norm),
-        library.stream_of(dy)), "norm_bwd")
+        *_variant(items, stages, blocks_per_sm), library.stream_of(dy)), "norm_bwd")

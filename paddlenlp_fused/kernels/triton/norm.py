@@ -18,17 +18,20 @@ Each row is normalised in groups of G = group_size consecutive columns (G = N fo
 
 Memory-bound. The forward holds a [ROWS, BLOCK_N] tile of whole groups in registers (BLOCK_N up to
 8192) and reads x once; wider groups loop over chunks (two or three sweeps, re-reads mostly from
-L2). The backward runs a persistent grid of P programs per group and column slab: each walks row
-tiles pid, pid + P, ..., keeps its dweight/dbias sums in fp32 registers and writes one partial row;
-a second small kernel sums the P partial rows. Groups wider than one backward block (8192) are
-split into column slabs, whose row reductions a pre-pass computes (``rowstats``).
+L2). The backward runs a persistent grid of P programs per group and column slab (as many as fit
+on the GPU at once): each walks row tiles pid, pid + P, ... in a ``tl.range`` loop that Triton
+software-pipelines with ``num_stages`` (the next tiles' loads go to shared memory asynchronously
+while the current tile is reduced), keeps its dweight/dbias sums in fp32 registers and writes one
+partial row; a second small kernel sums the P partial rows. Groups wider than one backward block
+(8192) are split into column slabs, whose row reductions a pre-pass computes (``rowstats``).
 
-Loops with run-time trip counts are ``while`` loops, written when the interpreter could not take a
-run-time ``range`` bound; ``range`` works there now (numpy < 2.4) but compiles to different loops,
-so the switch waits for a GPU-verified run.
+The other loops with run-time trip counts are ``while`` loops (written when the interpreter could
+not take a run-time ``range`` bound).
 """
 
 from __future__ import annotations
+
+import functools
 
 import triton
 import triton.language as tl
@@ -39,6 +42,7 @@ FWD_MAX_BLOCK = 8192  # widest group the forward keeps in registers (H200: chunk
 # 16384 block, 0.085 vs 0.120 ms for LayerNorm [4096, 16384] bf16)
 BWD_MAX_BLOCK = 8192  # widest column slab the backward keeps in registers (with its dw/db sums)
 _SUM_BLOCK_P, _SUM_BLOCK_N = 32, 64
+_STAGE_BUFFER_BYTES = 128 * 1024  # shared memory the backward's pipelined loads may take
 
 
 @triton.jit
@@ -165,14 +169,19 @@ def _norm_fwd_kernel(x_ptr, res_ptr, z_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, me
 
 
 @triton.jit
-def _bwd_load(h_ptr, z_ptr, w_ptr, dy_ptr, mean, rstd, rows64, col_base, cols, mask, col_mask,
-              stride_h, stride_z, stride_dy, weight_offset,
+def _bwd_weight(w_ptr, col_base, cols, col_mask, weight_offset):
+    return tl.load(w_ptr + col_base + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset
+
+
+@triton.jit
+def _bwd_load(h_ptr, z_ptr, w, dy_ptr, mean, rstd, rows64, col_base, cols, mask,
+              stride_h, stride_z, stride_dy,
               HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr):
-    """For a tile: xhat, the gradient at the norm's scaled output (gate applied), weight * that,
-    and what the gate's gradients need: x, silu(z), silu'(z), and dz when the gate comes last."""
+    """For a tile (w: weight + offset of its columns): xhat, the gradient at the norm's scaled
+    output (gate applied), w * that, and what the gate's gradients need: x, silu(z), silu'(z),
+    and dz when the gate comes last."""
     x = tl.load(h_ptr + rows64 * stride_h + col_base + cols, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + rows64 * stride_dy + col_base + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + col_base + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset
     h = x
     silu_z = x
     dsilu_z = x
@@ -212,9 +221,9 @@ def _norm_bwd_rowstats_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, r
     while start < G:
         cols = start + offs
         col_mask = cols < G
-        xhat, _, wdy, _, _, _, _ = _bwd_load(h_ptr, z_ptr, w_ptr, dy_ptr, mean, rstd, rows64, g * G, cols,
-                                             col_mask, col_mask, stride_h, stride_z, stride_dy, weight_offset,
-                                             HAS_Z, NORM_BEFORE_GATE)
+        w = _bwd_weight(w_ptr, g * G, cols, col_mask, weight_offset)
+        xhat, _, wdy, _, _, _, _ = _bwd_load(h_ptr, z_ptr, w, dy_ptr, mean, rstd, rows64, g * G, cols,
+                                             col_mask, stride_h, stride_z, stride_dy, HAS_Z, NORM_BEFORE_GATE)
         c1 += tl.sum(xhat * wdy, axis=1)
         c2 += tl.sum(wdy, axis=1)
         start += BLOCK_N
@@ -230,7 +239,8 @@ def _norm_bwd_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dres_out_p
                      IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES_OUT: tl.constexpr,
                      HAS_DRES: tl.constexpr, HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
                      STATS_GIVEN: tl.constexpr, NUM_SLABS: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+                     RELOAD_WEIGHT: tl.constexpr):
     """Grid (NUM_PARTIALS, NGROUPS * NUM_SLABS): program (p, q) walks the row tiles p, p + P, ... of
     group q // NUM_SLABS, columns [slab * BLOCK_N, (slab + 1) * BLOCK_N) of it, and writes row p of
     the partial sums of dweight (and dbias, ``stride_partials`` further on) for those columns."""
@@ -243,9 +253,10 @@ def _norm_bwd_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dres_out_p
     # [ROWS, BLOCK_N] sums: the cross-row reduction happens once, after the loop
     dw_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    if not RELOAD_WEIGHT:  # once: the same columns every row (costs registers)
+        w_kept = _bwd_weight(w_ptr, col_base, cols, col_mask, weight_offset)
     num_tiles = tl.cdiv(M, ROWS)
-    tile = pid
-    while tile < num_tiles:
+    for tile in tl.range(pid, num_tiles, NUM_PARTIALS, num_stages=NUM_STAGES):
         rows = tile * ROWS + tl.arange(0, ROWS)
         row_mask = rows < M
         rows64 = rows.to(tl.int64)[:, None]
@@ -256,9 +267,13 @@ def _norm_bwd_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dres_out_p
             mean = tl.zeros([ROWS], dtype=tl.float32)
         else:
             mean = tl.load(mean_ptr + stat, mask=row_mask, other=0.0)
+        if RELOAD_WEIGHT:  # from L1 each row: no registers held across rows
+            w = _bwd_weight(w_ptr, col_base, cols, col_mask, weight_offset)
+        else:
+            w = w_kept
         xhat, dy, wdy, x, silu_z, dsilu_z, dz = _bwd_load(
-            h_ptr, z_ptr, w_ptr, dy_ptr, mean, rstd, rows64, col_base, cols, mask, col_mask,
-            stride_h, stride_z, stride_dy, weight_offset, HAS_Z, NORM_BEFORE_GATE)
+            h_ptr, z_ptr, w, dy_ptr, mean, rstd, rows64, col_base, cols, mask,
+            stride_h, stride_z, stride_dy, HAS_Z, NORM_BEFORE_GATE)
         if STATS_GIVEN:
             c1 = tl.load(rowstats_ptr + stat * 2, mask=row_mask, other=0.0)
             c2 = tl.load(rowstats_ptr + stat * 2 + 1, mask=row_mask, other=0.0)
@@ -283,7 +298,6 @@ def _norm_bwd_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dres_out_p
         dw_acc += dy * xhat
         if HAS_BIAS:
             db_acc += dy
-        tile += NUM_PARTIALS
     out = partials_ptr + pid.to(tl.int64) * (G * NGROUPS) + col_base + cols
     tl.store(out, tl.sum(dw_acc, axis=0)[None, :], mask=col_mask)
     if HAS_BIAS:
@@ -348,6 +362,7 @@ def _warps(elements: int) -> int:
     return 4 if elements <= 1024 else (8 if elements <= 4096 else 16)
 
 
+@functools.lru_cache(maxsize=256)
 def _fwd_config(G: int, max_block: int, rows=None, num_warps=None):
     """(ROWS, BLOCK_N, num_warps): groups up to 4096 wide go several to a program, in tiles of 8192
     elements on 8 warps (H200, [16384, 4096] bf16: 2 rows x 8 warps 0.070 ms, 1 x 8 0.072, 1 x 16
@@ -358,12 +373,22 @@ def _fwd_config(G: int, max_block: int, rows=None, num_warps=None):
     return rows or 1, block_n, num_warps or 16
 
 
+@functools.lru_cache(maxsize=256)
 def _bwd_config(G: int, max_block: int, rows=None, num_warps=None):
     """(ROWS, BLOCK_N, NUM_SLABS, num_warps); ``rows`` / ``num_warps`` override (tuning)."""
     block_n = min(triton.next_power_of_2(G), max_block)
     slabs = triton.cdiv(G, block_n)
     rows = rows or (max(1, min(16, 2048 // block_n)) if slabs == 1 else 1)
     return rows, block_n, slabs, num_warps or _warps(rows * block_n)
+
+
+def _bwd_stages(tile_elements: int) -> int:
+    """Software-pipelining depth of the backward's row loop. H200, bf16, fwd+bwd sweep (CUDA-graph
+    timing): at [16384, 4096] 3 stages 0.111 ms, 1 stage 0.139, 2 stages 0.157 (2 stages prefetch
+    one tile ahead, too little for DRAM latency, and pay the shared-memory round trip); tiles of
+    8192 columns (N > 4096, 16 warps, one program per SM) ran faster unpipelined (N = 8192: 1 stage
+    0.151 ms, 2 stages 0.180; N = 16384..65536 likewise by 15-20%)."""
+    return 3 if tile_elements <= 4096 else 1
 
 
 def _max_programs_per_sm(num_warps: int) -> int:
@@ -374,14 +399,16 @@ def _max_programs_per_sm(num_warps: int) -> int:
 _resident_cache = {}
 
 
-def _resident_programs_per_sm(kernel, args, kwargs, num_warps: int) -> int:
+def _resident_programs_per_sm(kernel, tensors, make_args, kwargs, num_warps: int) -> int:
     """Programs of the compiled backward kernel that fit on one SM at once (registers, shared
-    memory, warp slots): the persistent grid is that many per SM, so all programs run in one wave."""
+    memory, warp slots): the persistent grid is that many per SM, so all programs run in one wave.
+    Cached by the tensors' dtypes and the constexprs (a cheap key: this runs on every launch);
+    ``make_args()`` gives the launch arguments to compile with on a miss."""
     if triton.knobs.runtime.interpret:
         return 2
-    key = tuple(T.dtype_name(a) if hasattr(a, "data_ptr") else None for a in args) + tuple(sorted(kwargs.items()))
+    key = (tuple(None if t is None else T.dtype_name(t) for t in tensors), tuple(kwargs.items()))
     if key not in _resident_cache:
-        compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+        compiled = kernel.warmup(*make_args(), grid=(1,), **kwargs)
         compiled._init_handles()
         props = triton.runtime.driver.active.utils.get_device_properties(
             triton.runtime.driver.active.get_current_device())
@@ -412,11 +439,19 @@ def bwd_workspace_shapes(M: int, N: int, has_bias: bool, group_size=None, progra
 # launchers
 
 
+# The checks below read each tensor's shape and strides once: the launchers run on every step,
+# and their host time adds to the GPU's whenever the host is the slower of the two.
+
+
 def _check_vector(name: str, t, length: int) -> None:
+    """t is None or a contiguous [length] vector."""
     if t is None:
         return
-    T.check_same_shape(name, t, (length,))
-    T.check_contiguous(name, t)
+    shape = T.shape(t)
+    if shape != (length,):
+        raise ValueError(f"{name}: expected shape {(length,)}, got {shape}")
+    if length > 1 and T.strides(t)[0] != 1:
+        raise ValueError(f"{name}: launcher expects a contiguous tensor, got strides {T.strides(t)}")
 
 
 def _check_stats(mean, rstd, length: int, is_rms_norm: bool) -> None:
@@ -426,8 +461,23 @@ def _check_stats(mean, rstd, length: int, is_rms_norm: bool) -> None:
     _check_vector("mean", None if is_rms_norm else mean, length)
 
 
-def _row_stride(t) -> int:
-    return T.strides(t)[0] if t is not None else 0
+def _row_stride(name: str, t, M: int, N: int) -> int:
+    """The row stride of t, an [M, N] matrix with a contiguous last axis (0 for None)."""
+    if t is None:
+        return 0
+    shape, strides = T.shape(t), T.strides(t)
+    if shape != (M, N):
+        raise ValueError(f"{name}: expected shape {(M, N)}, got {shape}")
+    if M and N > 1 and strides[1] != 1:
+        raise ValueError(f"{name}: last axis must be contiguous, got strides {strides}")
+    return strides[0]
+
+
+def _matrix_shape(name: str, t) -> tuple:
+    shape = T.shape(t)
+    if len(shape) != 2:
+        raise ValueError(f"{name}: expected a 2-D tensor [M, N], got shape {shape}")
+    return shape
 
 
 def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None, z=None, eps: float = 1e-5,
@@ -437,15 +487,12 @@ def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None
     rstd. ``residual`` / ``residual_out`` are for ungrouped norms; ``z`` / ``group_size`` for the
     gated RMSNorm. ``max_block`` caps the register tile (tests use it to reach the chunked path);
     ``rows`` and ``num_warps`` override the tile's rows and the warps per program (tuning)."""
-    if len(T.shape(x)) != 2:
-        raise ValueError(f"x: expected a 2-D tensor [M, N], got shape {T.shape(x)}")
-    M, N = T.shape(x)
+    M, N = _matrix_shape("x", x)
     G, ngroups = _groups(N, group_size)
     if (residual is not None or residual_out is not None) and ngroups != 1:
         raise ValueError("residual: not supported together with group_size < N")
-    for name, t in (("y", y), ("residual", residual), ("residual_out", residual_out), ("z", z)):
-        T.check_rows(name, t, M, N)
-    T.check_rows("x", x, M, N)
+    strides = [_row_stride(name, t, M, N) for name, t in (("x", x), ("residual", residual), ("z", z), ("y", y),
+                                                          ("residual_out", residual_out))]
     for name, t in (("weight", weight), ("bias", bias)):
         _check_vector(name, t, N)
     _check_stats(mean, rstd, M * ngroups, is_rms_norm)
@@ -454,8 +501,7 @@ def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None
     rows, block_n, num_warps = _fwd_config(G, max_block, rows, num_warps)
     _norm_fwd_kernel[(triton.cdiv(M, rows), ngroups)](
         x, residual, z, weight, bias, y, residual_out, None if is_rms_norm else mean, rstd,
-        M, G, ngroups, T.strides(x)[0], _row_stride(residual), _row_stride(z), T.strides(y)[0],
-        _row_stride(residual_out), float(eps), float(weight_offset),
+        M, G, ngroups, *strides, float(eps), float(weight_offset),
         IS_RMS=is_rms_norm, HAS_RES=residual is not None, STORE_RES_OUT=residual_out is not None,
         HAS_BIAS=bias is not None, HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate,
         ROWS=rows, BLOCK_N=block_n, SINGLE_BLOCK=block_n >= G, num_warps=num_warps)
@@ -464,27 +510,35 @@ def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None
 def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dresidual_out=None,
              dresidual=None, z=None, dz=None, rowstats=None, is_rms_norm: bool = False,
              weight_offset: float = 0.0, group_size=None, norm_before_gate: bool = True,
-             max_block: int = BWD_MAX_BLOCK, rows=None, num_warps=None, programs_per_sm=None) -> None:
+             max_block: int = BWD_MAX_BLOCK, rows=None, num_warps=None, programs_per_sm=None, num_stages=None,
+             reload_weight=True) -> None:
     """Gradients of ``norm_fwd``. ``h`` is what the forward normalised before gating: residual_out
     when it stored one, else x. Writes dx (= dh, plus dresidual_out), dresidual (dh in the
     residual's dtype, when that differs from dx's), dz (gated), dweight and dbias; ``partials`` and
     ``rowstats`` are workspaces shaped by ``bwd_workspace_shapes``; ``max_block``, ``rows``,
-    ``num_warps`` and ``programs_per_sm`` as there."""
-    if len(T.shape(h)) != 2:
-        raise ValueError(f"h: expected a 2-D tensor [M, N], got shape {T.shape(h)}")
-    M, N = T.shape(h)
+    ``num_warps`` and ``programs_per_sm`` as there. ``num_stages``: software-pipelining depth of
+    the row loop (1: none; default ``_bwd_stages``); ``reload_weight``: read the weight each row
+    (from L1) rather than holding it in registers across rows (tuning)."""
+    M, N = _matrix_shape("h", h)
     G, ngroups = _groups(N, group_size)
-    for name, t in (("h", h), ("dy", dy), ("dx", dx), ("dresidual_out", dresidual_out),
-                    ("dresidual", dresidual), ("z", z), ("dz", dz)):
-        T.check_rows(name, t, M, N)
+    stride_h, stride_z, stride_dy, stride_dres_out, stride_dx, stride_dres, stride_dz = (
+        _row_stride(name, t, M, N) for name, t in (("h", h), ("z", z), ("dy", dy), ("dresidual_out", dresidual_out),
+                                                   ("dx", dx), ("dresidual", dresidual), ("dz", dz)))
     if (z is None) != (dz is None):
         raise ValueError("z and dz: give both or neither")
     for name, t in (("weight", weight), ("dweight", dweight), ("dbias", dbias)):
         _check_vector(name, t, N)
     _check_stats(mean, rstd, M * ngroups, is_rms_norm)
     rows, block_n, slabs, num_warps = _bwd_config(G, max_block, rows, num_warps)
-    n_sums, num_partials = 2 if dbias is not None else 1, T.shape(partials)[1]
-    T.check_same_shape("partials", partials, (n_sums, num_partials, N))
+    num_stages = num_stages or _bwd_stages(rows * block_n)
+    # each pipeline stage buffers one tile of every row tensor loaded in the loop: keep the
+    # buffers within shared memory (sm_80: 163 KiB; 128 KiB leaves room for the reductions)
+    stage_bytes = rows * block_n * sum(T.itemsize(t) for t in (h, dy, z, dresidual_out) if t is not None)
+    num_stages = max(1, min(num_stages, 1 + _STAGE_BUFFER_BYTES // stage_bytes))
+    n_sums, partials_shape = 2 if dbias is not None else 1, T.shape(partials)
+    num_partials = partials_shape[1] if len(partials_shape) == 3 else 0
+    if partials_shape != (n_sums, num_partials, N) or not num_partials:
+        raise ValueError(f"partials: expected an fp32 workspace [{n_sums}, P >= 1, {N}], got shape {partials_shape}")
     T.check_contiguous("partials", partials)
     if slabs > 1:
         if rowstats is None:
@@ -497,20 +551,24 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dr
         if slabs > 1:
             _norm_bwd_rowstats_kernel[(M, ngroups)](
                 h, z, weight, None if is_rms_norm else mean, rstd, dy, rowstats, M, G, ngroups,
-                T.strides(h)[0], _row_stride(z), T.strides(dy)[0], float(weight_offset),
+                stride_h, stride_z, stride_dy, float(weight_offset),
                 IS_RMS=is_rms_norm, HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate,
                 BLOCK_N=block_n, num_warps=_warps(block_n))
         kwargs = dict(IS_RMS=is_rms_norm, HAS_BIAS=dbias is not None, HAS_DRES_OUT=dresidual_out is not None,
                       HAS_DRES=dresidual is not None, HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate,
-                      STATS_GIVEN=slabs > 1, NUM_SLABS=slabs, ROWS=rows, BLOCK_N=block_n, num_warps=num_warps)
+                      STATS_GIVEN=slabs > 1, NUM_SLABS=slabs, ROWS=rows, BLOCK_N=block_n, num_warps=num_warps,
+                      NUM_STAGES=num_stages, RELOAD_WEIGHT=reload_weight)
+
+        tensors = (h, z, weight, None if is_rms_norm else mean, rstd, dy, dresidual_out,
+                   rowstats if slabs > 1 else None, dx, dresidual, dz, partials)
+        scalars = (num_partials * N, stride_h, stride_z, stride_dy, stride_dres_out, stride_dx, stride_dres, stride_dz,
+                   float(weight_offset))
 
         def args(programs):
-            return (h, z, weight, None if is_rms_norm else mean, rstd, dy, dresidual_out,
-                    rowstats if slabs > 1 else None, dx, dresidual, dz, partials, M, G, ngroups, programs,
-                    num_partials * N, T.strides(h)[0], _row_stride(z), T.strides(dy)[0], _row_stride(dresidual_out),
-                    T.strides(dx)[0], _row_stride(dresidual), _row_stride(dz), float(weight_offset))
+            return tensors + (M, G, ngroups, programs) + scalars
 
-        per_sm = programs_per_sm or _resident_programs_per_sm(_norm_bwd_kernel, args(1), kwargs, num_warps)
+        per_sm = programs_per_sm or _resident_programs_per_sm(_norm_bwd_kernel, tensors, lambda: args(1), kwargs,
+                                                              num_warps)
         programs = max(1, min(num_partials, triton.cdiv(M, rows), _num_sms() * per_sm // (ngroups * slabs)))
         _norm_bwd_kernel[(programs, ngroups * slabs)](*args(programs), **kwargs)
     # with no rows dweight and dbias are sums over no partial rows: zeros
