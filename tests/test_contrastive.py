@@ -11,7 +11,7 @@ import paddle.nn.functional as F
 import pytest
 
 from paddlenlp_fused.kernels.triton.contrastive import (contrastive_grad_accumulate, contrastive_lse_fwd,
-                                                       grad_workspace_shape)
+                                                       grad_workspace_shape, stage_shape)
 from paddlenlp_fused.layers.contrastive import FlashContrastiveLoss
 from paddlenlp_fused.ops.contrastive import cal_flash_loss, flash_contrastive_loss
 from paddlenlp_fused.runtime.triton_paddle import triton_args
@@ -148,13 +148,26 @@ def test_cal_flash_loss_is_per_row_cross_entropy():
                  np.log(np.exp(scores).sum(1)) - np.diag(scores[:, :17]), "float32")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_launchers_fill_poisoned_outputs_across_chunks(dtype):
+# (input dtype, launcher precision, the dtype of G and of the gradients' bound)
+LAUNCH_CASES = [("float32", "ieee", "float32", ""), ("bfloat16", "tf32", "bfloat16", ""),
+                ("float32", "bf16", "bfloat16", ""), ("float32", "bf16", "bfloat16", "b"),
+                ("float32", "bf16", "bfloat16", "ab")]
+
+
+@pytest.mark.parametrize("dtype,precision,g_dtype,staged", LAUNCH_CASES,
+                         ids=[f"{d}-{p}{'-staged-' + st if st else ''}" for d, p, _, st in LAUNCH_CASES])
+def test_launchers_fill_poisoned_outputs_across_chunks(dtype, precision, g_dtype, staged):
     """A 16-row chunk over 37 x 45 scores: full and partial chunks, the first-write/accumulate switch,
-    both terms, labels with an offset (a ring block); every output starts as NaN."""
+    both terms, labels with an offset (a ring block); every output starts as NaN. "bf16" reads the
+    float32 inputs in place and rounds them to bf16 in the kernels (``staged``: b's, and a's, chunks
+    through 16-row bf16 buffers; the forward's log-sum-exp folded over three chunks of b, its rows
+    written a chunk of a at a time): the reference takes the rounded operands (so lse/pos keep
+    float32's bound) and the gradients bf16's (G is bf16)."""
     M, N, D, chunk, a_off, b_off = 37, 45, 33, 16, 100, 200
     a, b = randn((M, D), dtype), randn((N, D), dtype)
     a64, b64 = to64(a), to64(b)
+    if precision == "bf16":  # the operands the tensor cores see
+        a64, b64 = to64(a.astype("bfloat16")), to64(b.astype("bfloat16"))
     labels_a = np.random.randint(b_off, b_off + N, M)
     labels_b = np.random.randint(a_off, a_off + M, N)
     scale = 1.7
@@ -163,25 +176,29 @@ def test_launchers_fill_poisoned_outputs_across_chunks(dtype):
     lse_b = np.log(np.exp(scores).sum(0))
     w_a, w_b = np.random.rand(M), np.random.rand(N)
 
+    buffer = lambda rows, on: paddle.full(list(stage_shape(rows, D, chunk)), float("nan"), dtype="bfloat16") \
+        if on else None
+    stage, stage_a = buffer(N, "b" in staged), buffer(M, "a" in staged)
     lse, pos = paddle.full([M], float("nan")), paddle.full([M], float("nan"))
-    contrastive_lse_fwd(*triton_args(a, b, paddle.to_tensor(labels_a), lse, pos), scale=scale, b_offset=b_off,
-                        precision="ieee")
+    *args, stage_arg, stage_a_arg = triton_args(a, b, paddle.to_tensor(labels_a), lse, pos, stage, stage_a)
+    contrastive_lse_fwd(*args, scale=scale, b_offset=b_off, precision=precision, stage=stage_arg,
+                        stage_a=stage_a_arg)
     assert_close("lse", lse.numpy(), lse_a, "float32")
     assert_close("pos", pos.numpy(), scores[np.arange(M), labels_a - b_off], "float32")
 
     grad = w_a[:, None] * np.exp(scores - lse_a[:, None]) + w_b[None, :] * np.exp(scores - lse_b[None, :])
     grad[np.arange(M), labels_a - b_off] -= w_a
     grad[labels_b - a_off, np.arange(N)] -= w_b
-    work = paddle.full(list(grad_workspace_shape(M, N, chunk)), float("nan"), dtype=dtype)
+    work = paddle.full(list(grad_workspace_shape(M, N, chunk)), float("nan"), dtype=g_dtype)
     ua, ub = paddle.full([M, D], float("nan")), paddle.full([N, D], float("nan"))
     f32 = lambda x: paddle.to_tensor(np.asarray(x, np.float32))
-    contrastive_grad_accumulate(*triton_args(a, a.t().contiguous(), b, f32(lse_a), f32(lse_b), f32(w_a), f32(w_b),
-                                             paddle.to_tensor(labels_a), paddle.to_tensor(labels_b),
-                                             f32([max(w_a.max(), w_b.max())]), work, ua, ub),
-                                scale=scale, a_offset=a_off, b_offset=b_off, row_term=True, col_term=True,
-                                precision="ieee")
-    assert_close("ua", ua.numpy(), grad @ b64, dtype)
-    assert_close("ub", ub.numpy(), grad.T @ a64, dtype)
+    *args, stage_arg, stage_a_arg = triton_args(a, b, f32(lse_a), f32(lse_b), f32(w_a), f32(w_b),
+                                                paddle.to_tensor(labels_a), paddle.to_tensor(labels_b),
+                                                f32([max(w_a.max(), w_b.max())]), work, ua, ub, stage, stage_a)
+    contrastive_grad_accumulate(*args, scale=scale, a_offset=a_off, b_offset=b_off, row_term=True, col_term=True,
+                                precision=precision, stage=stage_arg, stage_a=stage_a_arg)
+    assert_close("ua", ua.numpy(), grad @ b64, g_dtype)
+    assert_close("ub", ub.numpy(), grad.T @ a64, g_dtype)
 
 
 def test_fp16_gradient_of_tiny_weights_is_not_flushed():
@@ -199,7 +216,7 @@ def test_fp16_gradient_of_tiny_weights_is_not_flushed():
     ua, ub = paddle.full([M, D], float("nan")), paddle.full([M, D], float("nan"))
     f32 = lambda x: paddle.to_tensor(np.asarray(x, np.float32))
     labels = paddle.arange(M, dtype="int64")
-    contrastive_grad_accumulate(*triton_args(a, a.t().contiguous(), b, f32(lse_a), f32(lse_a), f32(w), f32(w),
+    contrastive_grad_accumulate(*triton_args(a, b, f32(lse_a), f32(lse_a), f32(w), f32(w),
                                              labels, labels, f32([1e-6]), work, ua, ub), scale=1.0)
     assert_close("ua", ua.numpy(), grad @ b64, "float16")
     assert_close("ub", ub.numpy(), grad.T @ a64, "float16")
@@ -310,3 +327,30 @@ def test_bad_input_raises_clear_errors():
         flash_contrastive_loss(q, k, backend="cudnn")
     with pytest.raises(ValueError, match="max_scale"):
         FlashContrastiveLoss(init_scale=200.0, max_scale=100.0)
+
+
+def test_stage_buffers_are_checked():
+    """Staging buffers: only for float32 inputs under "bf16", bf16 [C, D] with C no more than the rows,
+    and in the backward exactly the G chunk's rows; each error names the buffer."""
+    a, b = randn((20, 8), "float32"), randn((24, 8), "float32")
+    labels, lse, pos = paddle.arange(20, dtype="int64"), paddle.empty([20]), paddle.empty([20])
+    buffer = lambda rows, D=8, dtype="bfloat16": paddle.empty([rows, D], dtype=dtype)
+
+    def fwd(precision="bf16", **stages):
+        args = triton_args(a, b, labels, lse, pos, *stages.values())
+        contrastive_lse_fwd(*args[:5], scale=1.0, precision=precision, **dict(zip(stages, args[5:])))
+
+    with pytest.raises(ValueError, match="stage: only float32 inputs with precision 'bf16'"):
+        fwd("tf32", stage=buffer(8))
+    with pytest.raises(ValueError, match=r"stage_a: expected a contiguous bfloat16 \[C, 8\]"):
+        fwd(stage_a=buffer(8, D=9))
+    with pytest.raises(ValueError, match=r"stage: expected a contiguous bfloat16 \[C, 8\] buffer with 1 <= C <= 24"):
+        fwd(stage=buffer(8, dtype="float32"))
+    with pytest.raises(ValueError, match="stage_a: expected a contiguous bfloat16"):
+        fwd(stage_a=buffer(21))
+    work = paddle.empty(list(grad_workspace_shape(20, 24, 16)), dtype="bfloat16")
+    vec, grads = paddle.empty([24]), (paddle.empty([20, 8]), paddle.empty([24, 8]))
+    *args, stage = triton_args(a, b, lse, vec, lse, vec, labels, paddle.arange(24, dtype="int64"),
+                               paddle.ones([1]), work, *grads, buffer(8))
+    with pytest.raises(ValueError, match="stage: expected 16 rows"):
+        contrastive_grad_accumulate(*args, scale=1.0, precision="bf16", stage=stage)

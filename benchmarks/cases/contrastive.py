@@ -1,40 +1,45 @@
 """Contrastive (InfoNCE) loss fwd+bwd, q, k [65536, 512] fp32 in, scale 20 (PERFORMANCE.md): our
-Triton kernels (bf16 operands, fp32 accumulation) against the torch composition
-``F.cross_entropy(scale * q @ k.T, labels)`` (fp32, cuBLAS) in the same process; also at [16384, 512].
+Triton kernels (bf16 tensor cores on the fp32 inputs, fp32 accumulation) against the torch
+composition ``F.cross_entropy(scale * q @ k.T, labels)`` (fp32, cuBLAS) in the same process; also at
+[16384, 512]. Our path is the op's (``precision="bf16"``): no bf16 copy of q or k; their chunks are
+rounded into constant-size bf16 buffers (``stage_a``/``stage``, the "ab" mode) or, unstaged, their
+fp32 tiles are rounded in registers.
 
 Inputs are CLIP-like: q unit rows, k = normalise(q + noise), labels ``arange``. FLOP: the forward is
 one product of ``2 B^2 D``; forward and backward together are four (forward, the backward's
 recompute of the scores, ``G @ k``, ``G.T @ q``): 17.6 TFLOP at 65536 x 512. ``rel_err`` is the
 loss's relative error against float64 computed from the same fp32 inputs (chunked on the GPU);
 ``dq_rel_err``/``dk_rel_err`` compare the gradients with torch's fp32 ones. ``peak_GiB`` is the
-peak memory of one fwd+bwd beyond inputs and their gradients; our peak is also measured at 16384,
-65536 and 262144 rows (``peak_GiB_by_rows``), with ``workspace_GiB_by_rows`` the part beyond the
-two bf16 operand copies of q and k: the backward's bf16 ``q.T`` (also B D elements) and the G chunk
-(8192^2 bf16 = 0.125 GiB, whatever B).
+peak memory of one fwd+bwd beyond inputs and their gradients. Memory against the batch
+(``peak_GiB_by_rows``): ours at 16384, 65536 and 262144 rows (what is left is the backward's
+constant G chunk, 8192^2 bf16 = 0.125 GiB, the staging buffers and per-row vectors), torch's where
+its [B, B] scores fit (``torch_peak_GiB_by_rows``; at 262144 they would take 256 GiB).
 
-Before the canonical rows, the case times a few tile configurations at 65536 (``sweep``) and
-reports the rows with the fastest (listed under ``config``).
+Before the canonical rows, the case times the staging modes with a few tile configurations at
+65536 (``sweep``) and reports the rows with the fastest (listed under ``config``).
 """
 
 from __future__ import annotations
 
-import itertools
-
 from common import GiB, TFLOPs, bench_ms, peak_GiB
 
-from paddlenlp_fused.kernels.triton.contrastive import (DEFAULT_CONFIGS, GRAD_CHUNK, TileConfig,
-                                                       contrastive_grad_accumulate, contrastive_lse_fwd,
-                                                       grad_workspace_shape)
+from paddlenlp_fused.kernels.triton.contrastive import (FWD_STAGE_ROWS, GRAD_CHUNK, STAGE_A_DEFAULT, STAGED_DEFAULT,
+                                                       TileConfig, contrastive_grad_accumulate, contrastive_lse_fwd,
+                                                       grad_workspace_shape, stage_shape)
 from paddlenlp_fused.testing.numerics import rel_err
 
 SCALE = 20.0
 D = 512
-# the sweep of the first H200 run (results of which set DEFAULT_CONFIGS) covered 4 forward and 12
-# backward configurations; this one re-times the GEMM stages and the chunk only
-FWD_CONFIGS = [DEFAULT_CONFIGS["fwd"]]
-GRAD_CONFIGS = [DEFAULT_CONFIGS["grad"]]
-MATMUL_CONFIGS = [TileConfig(), TileConfig(num_stages=4)]
-CHUNKS = [4096, 8192]
+PRECISION = "bf16"
+# The sweep: staging modes (fp32 q and k rounded into bf16 chunk buffers: "ab" both, "b" k only, q's
+# tiles then rounded in registers) with the tiles that were fastest for each in earlier H200 runs
+# (round A of 2026-11-30 timed 16 forward and 40 backward configurations; DEFAULT_CONFIGS says which).
+MODES = {"ab": dict(stage_a=True, staged=True), "b": dict(stage_a=False, staged=True)}
+FWD_CONFIGS = {"ab": [TileConfig(flatten=True), TileConfig()], "b": [TileConfig(block_k=32)]}
+_PRODUCTS = TileConfig(128, 256, 8, 3, block_k=64)
+BWD_CONFIGS = {"ab": [(TileConfig(128, 64), _PRODUCTS), (TileConfig(128, 128), _PRODUCTS),
+                      (TileConfig(128, 128), TileConfig(num_stages=4))],
+               "b": [(TileConfig(128, 128, block_k=32), _PRODUCTS)]}
 
 
 def _config_dict(cfg: TileConfig) -> dict:
@@ -42,45 +47,56 @@ def _config_dict(cfg: TileConfig) -> dict:
 
 
 class _Ours:
-    """The op's computation on torch tensors (what ops/contrastive.py does with Paddle ones)."""
+    """The op's computation on torch tensors (what ops/contrastive.py does with Paddle ones): fp32 q, k
+    go to the launchers as they are, with ``precision="bf16"``."""
 
-    def __init__(self, torch, fwd=None, grad=None, matmul=None, chunk=GRAD_CHUNK, symmetric=False):
-        self.torch, self.symmetric = torch, symmetric
+    def __init__(self, torch, fwd=None, grad=None, matmul=None, chunk=GRAD_CHUNK, symmetric=False,
+                 staged=STAGED_DEFAULT, stage_a=STAGE_A_DEFAULT):
+        self.torch, self.symmetric, self.staged, self.stage_a = torch, symmetric, staged, stage_a
         self.fwd_cfg, self.grad_cfg, self.matmul_cfg, self.chunk = fwd, grad, matmul, chunk
+
+    def _stages(self, q, k, rows):
+        """{"stage_a": for q's chunks, "stage": for k's} bf16 buffers, as the op allocates them."""
+        make = lambda x, n: self.torch.empty(stage_shape(x.shape[0], x.shape[1], n), dtype=self.torch.bfloat16,
+                                             device=x.device)
+        return {**({"stage_a": make(q, rows[0])} if self.stage_a else {}),
+                **({"stage": make(k, rows[1])} if self.staged else {})}
 
     def forward(self, q, k):
         torch = self.torch
         B = q.shape[0]
-        qo, ko = q.to(torch.bfloat16), k.to(torch.bfloat16)  # bf16 tensor-core operands
         labels = torch.arange(B, device=q.device)
+        stages = self._stages(q, k, FWD_STAGE_ROWS)
         lse, pos = torch.empty(B, device=q.device), torch.empty(B, device=q.device)
-        contrastive_lse_fwd(qo, ko, labels, lse, pos, SCALE, config=self.fwd_cfg)
+        contrastive_lse_fwd(q, k, labels, lse, pos, SCALE, precision=PRECISION, config=self.fwd_cfg, **stages)
         rows = lse - pos
         lse_c = lse
         if self.symmetric:
             lse_c, pos_c = torch.empty(B, device=q.device), torch.empty(B, device=q.device)
-            contrastive_lse_fwd(ko, qo, labels, lse_c, pos_c, SCALE, config=self.fwd_cfg)
+            contrastive_lse_fwd(k, q, labels, lse_c, pos_c, SCALE, precision=PRECISION, config=self.fwd_cfg,
+                                **stages)
             rows = 0.5 * (rows + lse_c - pos_c)
-        return rows.mean(), (qo, ko, labels, lse, lse_c)
+        return rows.mean(), (labels, lse, lse_c)
 
-    def backward(self, q, saved):
+    def backward(self, q, k, saved):
         torch = self.torch
-        qo, ko, labels, lse, lse_c = saved
+        labels, lse, lse_c = saved
         B = q.shape[0]
         w = torch.full((B,), (0.5 if self.symmetric else 1.0) / B, device=q.device)
         work = torch.empty(grad_workspace_shape(B, B, self.chunk), dtype=torch.bfloat16, device=q.device)
         ua = torch.empty((B, q.shape[1]), device=q.device)
         ub = torch.empty((B, q.shape[1]), device=q.device)
-        contrastive_grad_accumulate(qo, qo.t().contiguous(), ko, lse, lse_c, w, w, labels, labels, w[:1].abs(), work,
-                                    ua, ub, SCALE,
-                                    row_term=True, col_term=self.symmetric, grad_config=self.grad_cfg,
-                                    matmul_config=self.matmul_cfg)
+        contrastive_grad_accumulate(q, k, lse, lse_c, w, w, labels, labels, w[:1].abs(), work, ua, ub, SCALE,
+                                    row_term=True, col_term=self.symmetric, precision=PRECISION,
+                                    grad_config=self.grad_cfg, matmul_config=self.matmul_cfg,
+                                    **self._stages(q, k, (self.chunk, self.chunk)))
+        del work
         dscale = torch.dot(q.flatten(), ua.flatten())
         return ua.mul_(SCALE), ub.mul_(SCALE), dscale
 
     def fwdbwd(self, q, k):
         loss, saved = self.forward(q, k)
-        return (loss,) + self.backward(q, saved)
+        return (loss,) + self.backward(q, k, saved)
 
 
 def _inputs(provider, torch, B):
@@ -147,23 +163,22 @@ def _our_row(provider, torch, ours, q, k, loss64, label, torch_grads=None):
 
 
 def _sweep(provider, torch, q, k):
-    """Fastest forward config, and fastest (grad, matmul, chunk) for the backward, at this size."""
+    """The staging mode whose fastest forward and backward sum least, with those configs, at this size."""
     quick_ms = lambda fn: bench_ms(fn, warmup_ms=10, rep_ms=60)
-    fwd_times = []
-    for cfg in FWD_CONFIGS:
-        ours = _Ours(torch, fwd=cfg)
-        fwd_times.append((quick_ms(lambda: ours.forward(q, k)), cfg))
     _, saved = _Ours(torch).forward(q, k)
-    bwd_times = []
-    for grad, matmul, chunk in itertools.product(GRAD_CONFIGS, MATMUL_CONFIGS, CHUNKS):
-        ours = _Ours(torch, grad=grad, matmul=matmul, chunk=chunk)
-        bwd_times.append((quick_ms(lambda: ours.backward(q, saved)), grad, matmul, chunk))
-    best_fwd = min(fwd_times, key=lambda t: t[0])
-    best_bwd = min(bwd_times, key=lambda t: t[0])
-    table = {"fwd": [{"ms": ms, **_config_dict(c)} for ms, c in fwd_times],
-             "bwd": [{"ms": ms, "grad": _config_dict(g), "matmul": _config_dict(m), "chunk": c}
-                     for ms, g, m, c in bwd_times]}
-    return best_fwd[1], best_bwd[1:], table
+    table, best = {"fwd": [], "bwd": []}, None
+    for mode, staging in MODES.items():
+        fwd = [(quick_ms(lambda: _Ours(torch, fwd=c, **staging).forward(q, k)), c) for c in FWD_CONFIGS[mode]]
+        bwd = [(quick_ms(lambda: _Ours(torch, grad=g, matmul=m, **staging).backward(q, k, saved)), g, m)
+               for g, m in BWD_CONFIGS[mode]]
+        table["fwd"] += [{"ms": ms, "mode": mode, **_config_dict(c)} for ms, c in fwd]
+        table["bwd"] += [{"ms": ms, "mode": mode, "grad": _config_dict(g), "matmul": _config_dict(m)}
+                         for ms, g, m in bwd]
+        f, b = min(fwd, key=lambda t: t[0]), min(bwd, key=lambda t: t[0])
+        if best is None or f[0] + b[0] < best[0]:
+            best = (f[0] + b[0], dict(fwd=f[1], grad=b[1], matmul=b[2], **staging), mode)
+    table["mode"] = best[2]
+    return best[1], table
 
 
 def _rows_at(provider, torch, q, k, ours, symmetric_ours, label):
@@ -188,14 +203,12 @@ def run(provider, quick: bool = False) -> dict:
     big, small = (4096, 1024) if quick else (65536, 16384)
     q, k = _inputs(provider, torch, big)
     if quick:
-        fwd_cfg, (grad_cfg, matmul_cfg, chunk), sweep = DEFAULT_CONFIGS["fwd"], (
-            DEFAULT_CONFIGS["grad"], DEFAULT_CONFIGS["matmul"], GRAD_CHUNK), {}
+        best, sweep = dict(fwd=None, grad=None, matmul=None), {}
     else:
-        fwd_cfg, (grad_cfg, matmul_cfg, chunk), sweep = _sweep(provider, torch, q, k)
-    best = dict(fwd=fwd_cfg, grad=grad_cfg, matmul=matmul_cfg, chunk=chunk)
+        best, sweep = _sweep(provider, torch, q, k)
     ours = _Ours(torch, **best)
     # CLIP's symmetric loss at the canonical size (with its own default score-gradient tiles)
-    symmetric = _Ours(torch, fwd=fwd_cfg, matmul=matmul_cfg, chunk=chunk, symmetric=True)
+    symmetric = _Ours(torch, **{**best, "grad": None}, symmetric=True)
     rows = _rows_at(provider, torch, q, k, ours, symmetric, "")
     del q, k
     torch.cuda.empty_cache()
@@ -213,11 +226,15 @@ def run(provider, quick: bool = False) -> dict:
         if not row["impl"].endswith("/symmetric"):
             row["speedup_vs_torch"] = torch_row["fwdbwd_ms"] / row["fwdbwd_ms"]
 
-    peaks = {B: _peak_at(provider, torch, ours, B) for B in ((1024, 4096) if quick else (16384, 65536, 262144))}
-    rows[0]["peak_GiB_by_rows"] = peaks
-    rows[0]["workspace_GiB_by_rows"] = {B: p - 2 * B * D * 2 / GiB for B, p in peaks.items()}
-    return {"shape": {"B": big, "D": D, "dtype": "float32 in, bf16 operands", "scale": SCALE},
-            "flops": flops, "config": {name: (_config_dict(v) if isinstance(v, TileConfig) else v)
-                                       for name, v in best.items()},
+    sizes = (1024, 4096, 16384) if quick else (16384, 65536, 262144)
+    rows[0]["peak_GiB_by_rows"] = {B: _peak_at(provider, torch, ours, B) for B in sizes}
+    # torch's peak from its rows above where its [B, B] fp32 scores (and their gradient) fit
+    rows[0]["torch_peak_GiB_by_rows"] = {B: next((r["peak_GiB"] for r in rows if r["impl"].startswith("torch")
+                                                  and r["B"] == B), f"does not fit ({B * B * 4 / GiB:.0f} GiB "
+                                                 "of fp32 scores)") for B in sizes}
+    return {"shape": {"B": big, "D": D, "dtype": "float32 in, rounded to bf16 in the kernels", "scale": SCALE},
+            "flops": flops, "config": {**{name: (_config_dict(v) if isinstance(v, TileConfig) else v)
+                                          for name, v in best.items()}, "chunk": GRAD_CHUNK,
+                                       "fwd_stage_rows": FWD_STAGE_ROWS},
             "sweep": sweep, "rows": rows,
             "target": {"fwdbwd_ms": 60.0, "peak_GiB": 1.0, "rel_err": 1e-3}}

@@ -13,6 +13,11 @@ upstream weights and labels) and with its gradient accumulator ``ub``: each rank
 contribution of its own rows and passes ``ub`` on, so after W shifts every ``ub`` is back with its
 owner holding the gradient of the global loss. ``ua`` (the local rows' gradient) stays put.
 
+Memory per rank: the blocks travel as the callers hold them (the inputs themselves, no operand
+copies), so beyond its local inputs and gradients a rank holds the block it receives while it
+computes on the visiting one (and in backward the travelling ``ub``): a few local-block-sized
+buffers, whatever the group size, plus per-row vectors.
+
 Transport (measured on Paddle 3.3.1, CPU, gloo): blocking ``send``/``recv`` work; ``isend`` blocks
 until the peer receives, so ``isend``+``irecv`` (and ``batch_isend_irecv``) posted in the same order
 on both sides deadlock, while ``reduce_scatter`` and ``alltoall`` are not implemented. On gloo the

@@ -10,7 +10,10 @@ For q ``[B, D]``, k ``[B_k, D]`` and ``S = scale * q @ k.T``:
 
 Losses are float32 whatever the input dtype. The Triton backend keeps only per-row (and, symmetric,
 per-column) log-sum-exps from the forward; backward recomputes the scores blockwise (see
-``kernels/triton/contrastive.py``). ``scale`` may be a float or a learnable Paddle scalar tensor,
+``kernels/triton/contrastive.py``). The kernels read q and k in place (``precision="bf16"`` rounds
+fp32 tiles to bf16 in registers), so the memory beyond the inputs and their gradients is per-row
+vectors and the backward's constant G chunk, flat in the batch (for 16-bit inputs the gradients are
+accumulated in fp32 before the cast). ``scale`` may be a float or a learnable Paddle scalar tensor,
 whose gradient is returned.
 
 Data parallel (``group``, default fleet's data-parallel group when it has more than one rank): each
@@ -32,8 +35,11 @@ from paddle.autograd import PyLayer
 
 from ..distributed.comm import reduce_from_parallel
 from ..distributed.contrastive_ring import Ring, resolve_group, ring_grad, ring_row_stats
-from ..kernels.triton.contrastive import contrastive_grad_accumulate, contrastive_lse_fwd, grad_workspace_shape
+from ..kernels.triton.contrastive import (FWD_STAGE_ROWS, GRAD_CHUNK, STAGE_A_DEFAULT, STAGED_DEFAULT,
+                                          contrastive_grad_accumulate, contrastive_lse_fwd, grad_workspace_shape,
+                                          operand_dtype, stage_shape)
 from ..reference.contrastive import contrastive_loss_ref
+from ..runtime import tensor as T
 from ..runtime.backend import resolve_backend
 from ..runtime.triton_paddle import triton_args
 from ._checks import check_tensor, contiguous, device_of
@@ -42,70 +48,103 @@ REDUCTIONS = ("mean", "sum", "none")
 PRECISIONS = ("auto", "ieee", "tf32", "bf16")
 
 
-def _operands(q, k, precision):
-    """(q, k as the kernels take them, fp32 dot precision): fp32 inputs become bf16 with "bf16"."""
-    if precision == "bf16" and q.dtype == paddle.float32:
-        return q.astype("bfloat16"), k.astype("bfloat16"), "ieee"
-    return q, k, ("tf32" if precision == "auto" else precision)
+def _kernel_precision(precision):
+    """The launchers' precision: "bf16" rounds fp32 operands to bf16 inside the kernels (no bf16 copy
+    of q or k is made); "auto" is tf32 for fp32 inputs; 16-bit inputs ignore it."""
+    return "tf32" if precision == "auto" else precision
 
 
 class _FlashContrastive(PyLayer):
-    """Per-row loss [B] float32 of the local rows (see the module docstring) over the Triton kernels."""
+    """Per-row loss [B] float32 of the local rows (see the module docstring) over the Triton kernels.
+    Memory beyond q, k and their gradients: per-row vectors, the constant G chunk of the backward
+    (``grad_workspace_shape``), the constant bf16 stages (``_stage_buffers``), and in a ring the
+    block in flight."""
 
     @staticmethod
     def forward(ctx, q, k, scale_tensor, labels, scale, symmetric, precision, ring):
-        q_op, k_op, dot_precision = _operands(contiguous(q), contiguous(k), precision)
+        q, k = contiguous(q), contiguous(k)
+        dot_precision = _kernel_precision(precision)
+        stages = _stage_buffers(q, k, dot_precision, FWD_STAGE_ROWS)
 
         def stats(a, labels_a):
             def block(b, b_offset):
                 lse = paddle.empty([a.shape[0]], dtype="float32")
                 pos = paddle.empty([a.shape[0]], dtype="float32")
-                contrastive_lse_fwd(*triton_args(a, b, labels_a, lse, pos), scale=scale, b_offset=b_offset,
-                                    precision=dot_precision)
+                *args, stage_a, stage = triton_args(a, b, labels_a, lse, pos, *stages)
+                contrastive_lse_fwd(*args, scale=scale, b_offset=b_offset, precision=dot_precision, stage=stage,
+                                    stage_a=stage_a)
                 return lse, pos
             return block
 
-        lse_rows, pos_rows = ring_row_stats(ring, q_op, k_op, stats(q_op, labels))
+        lse_rows, pos_rows = ring_row_stats(ring, q, k, stats(q, labels))
         loss = lse_rows - pos_rows
         lse_cols = None
         if symmetric:  # columns of S are the rows of S.T = scale * k @ q.T: the same ring with q travelling
-            lse_cols, pos_cols = ring_row_stats(ring, k_op, q_op, stats(k_op, labels))
+            lse_cols, pos_cols = ring_row_stats(ring, k, q, stats(k, labels))
             loss = 0.5 * (loss + lse_cols - pos_cols)
-        ctx.save_for_backward(q, q_op, k_op, labels, lse_rows, lse_cols)
+        ctx.save_for_backward(q, k, labels, lse_rows, lse_cols)
         scale_like = None if scale_tensor is None else (list(scale_tensor.shape), scale_tensor.dtype)
-        ctx.config = (scale, symmetric, dot_precision, ring, q.dtype, k.dtype, scale_like)
+        ctx.config = (scale, symmetric, dot_precision, ring, scale_like)
         return loss
 
     @staticmethod
     def backward(ctx, dloss):
-        q, q_op, k_op, labels, lse_rows, lse_cols = ctx.saved_tensor()
-        scale, symmetric, dot_precision, ring, q_dtype, k_dtype, scale_like = ctx.config
+        q, k, labels, lse_rows, lse_cols = ctx.saved_tensor()
+        scale, symmetric, dot_precision, ring, scale_like = ctx.config
         dloss = dloss.astype("float32")
         w_rows = 0.5 * dloss if symmetric else dloss
-        rank_offset = ring.rank * q_op.shape[0]
-        g_work = paddle.empty(list(grad_workspace_shape(q_op.shape[0], k_op.shape[0])), dtype=q_op.dtype)
-        ua = paddle.empty([q_op.shape[0], q_op.shape[1]], dtype="float32")
-        q_t = q_op.t().contiguous()  # the kernels' second product reads q transposed
+        rank_offset = ring.rank * q.shape[0]
+        g_work = paddle.empty(list(grad_workspace_shape(q.shape[0], k.shape[0])),
+                              dtype=operand_dtype(T.dtype_name(q), dot_precision))
+        ua = paddle.empty([q.shape[0], q.shape[1]], dtype="float32")
+        stages = _stage_buffers(q, k, dot_precision, (GRAD_CHUNK, GRAD_CHUNK))
         # what travels with a k block: the column term's statistics when symmetric
-        pack = [k_op, lse_cols, w_rows, labels] if symmetric else [k_op]
+        pack = [k, lse_cols, w_rows, labels] if symmetric else [k]
 
         def block_grad(visiting, ub, b_offset, first):
             b = visiting[0]
             lse_b, w_b, labels_b = visiting[1:] if symmetric else (lse_rows, w_rows, labels)
             w_max = paddle.maximum(w_rows.abs().max(), w_b.abs().max()).clip(min=1e-30).reshape([1])
+            *args, stage_a, stage = triton_args(q, b, lse_rows, lse_b, w_rows, w_b, labels, labels_b, w_max,
+                                                g_work, ua, ub, *stages)
             contrastive_grad_accumulate(
-                *triton_args(q_op, q_t, b, lse_rows, lse_b, w_rows, w_b, labels, labels_b, w_max, g_work, ua, ub),
-                scale=scale, a_offset=rank_offset, b_offset=b_offset, row_term=True, col_term=symmetric,
-                accumulate_a=not first, accumulate_b=not first, precision=dot_precision)
+                *args, scale=scale, a_offset=rank_offset, b_offset=b_offset, row_term=True, col_term=symmetric,
+                accumulate_a=not first, accumulate_b=not first, precision=dot_precision, stage=stage,
+                stage_a=stage_a)
 
-        ub = ring_grad(ring, pack, [k_op.shape[0], k_op.shape[1]], block_grad)
+        ub = ring_grad(ring, pack, [k.shape[0], k.shape[1]], block_grad)
+        del g_work, stages
         dscale = None
-        if scale_like is not None:  # sum_ij G_ij q_i.k_j = sum_i q_i.(G k)_i, over this rank's rows
+        if scale_like is not None:
             shape, dtype = scale_like
-            q32 = q if q.dtype == paddle.float32 else q.astype("float32")
-            dscale = paddle.dot(q32.flatten(), ua.flatten()).reshape(shape).astype(dtype)
+            dscale = _scale_grad(q, ua).reshape(shape).astype(dtype)
         dq, dk = ua.scale_(scale), ub.scale_(scale)  # in place: the fp32 accumulators become the gradients
-        return dq.astype(q_dtype), dk.astype(k_dtype), dscale
+        return dq.astype(q.dtype), dk.astype(k.dtype), dscale
+
+
+def _stage_buffers(q, k, dot_precision, rows):
+    """(for q's rows, for k's rows): the bf16 buffers the launchers round chunks of q and k into
+    (fp32 inputs under "bf16", as ``STAGE_A_DEFAULT`` / ``STAGED_DEFAULT`` say; None otherwise), of
+    ``rows`` (q's, k's) rows at most: constant in the batch. The symmetric direction swaps q and k
+    (the same rows then)."""
+    if not (dot_precision == "bf16" and q.dtype == paddle.float32):
+        return None, None
+    make = lambda x, n, on: paddle.empty(list(stage_shape(x.shape[0], x.shape[1], n)), dtype="bfloat16") \
+        if on else None
+    return make(q, rows[0], STAGE_A_DEFAULT), make(k, rows[1], STAGED_DEFAULT)
+
+
+_SCALE_GRAD_ROWS = 8192
+
+
+def _scale_grad(q, ua):
+    """sum_ij G_ij q_i.k_j = sum_i q_i.(G k)_i over this rank's rows (fp32 scalar), 8192 rows at a
+    time so a 16-bit q is upcast a slice at a time (no [B, D] fp32 copy)."""
+    total = paddle.zeros([], dtype="float32")
+    for r0 in range(0, q.shape[0], _SCALE_GRAD_ROWS):
+        rows = q[r0:r0 + _SCALE_GRAD_ROWS]
+        total = total + paddle.dot(rows.astype("float32").flatten(), ua[r0:r0 + _SCALE_GRAD_ROWS].flatten())
+    return total
 
 
 def _check_inputs(q, k, labels, scale, symmetric, reduction, precision):

@@ -62,19 +62,21 @@ class Tiles(NamedTuple):
 
 
 def default_tiles(dtype: str) -> Tiles:
-    """Fixed configs (no autotuning: predictable compile time). 16-bit inputs: the two kernels with
-    a softmax epilogue take 128x128x64 tiles, 8 warps, 4 stages (no register spills on sm_90 per
-    ptxas; 128x256 spills there); the plain dW / dh products take 128x256x64, 8 warps, 3 stages
-    (144 KB of shared memory). fp32 runs on CUDA cores in IEEE precision, in small tiles. The
-    interpreter takes small tiles for speed."""
+    """Fixed configs (no autotuning: predictable compile time). 16-bit inputs: the fastest of the H200
+    sweep at T=8192, D=4096, V=128256 (device_jobs/losses.sh, 2026-11-30; every backward config
+    checked against fp32 gradients): forward 128x256x64 tiles, 16-tile bands, 8 warps, 3 stages
+    (15.2 ms; 128x128x64 4 stages 16.3, 256x128x64 15.4-16.0); the softmax-gradient tiles 256x128x64,
+    8 warps, 3 stages, with the dW / dh products 128x256x64, 8 warps, 4 stages (backward 48.5 ms;
+    the former 128x128 / 3-stage 128x256 pair 51.2, 16 pairs between 48.5 and 54.5). fp32 runs on
+    CUDA cores in IEEE precision, in small tiles. The interpreter takes small tiles for speed."""
     if INTERPRETING:
         cfg = TileConfig(16, 32, 16, 4, 1, 1)
         return Tiles(cfg, cfg, cfg)
     if dtype == "float32":
         cfg = TileConfig(64, 64, 16, 8, 4, 2)
         return Tiles(cfg._replace(group_m=16), cfg, cfg)
-    softmax_tiles = TileConfig(128, 128, 64, 8, 8, 4)
-    return Tiles(softmax_tiles._replace(group_m=16), softmax_tiles, TileConfig(128, 256, 64, 8, 8, 3))
+    return Tiles(TileConfig(128, 256, 64, 16, 8, 3), TileConfig(256, 128, 64, 8, 8, 3),
+                 TileConfig(128, 256, 64, 8, 8, 4))
 
 
 # ----------------------------------------------------------------------------------------------
