@@ -107,7 +107,10 @@ def _scan_inputs(case, batch=2, dim=6, dstate=3, seqlen=37, groups=3):
     dtype = case["dtype"]
     shapes = {"fixed": (dim, dstate), "variable": (batch, dstate, seqlen), "grouped": (batch, groups, dstate, seqlen)}
     u = _leaf((batch, dim, seqlen), dtype)
-    delta = _leaf((batch, dim, seqlen), dtype, scale=0.5, offset=-0.5 if case["softplus"] else 0.3)
+    delta = _leaf((batch, dim, seqlen), dtype, scale=0.5, offset=-0.5)
+    if not case["softplus"]:  # the step itself must be positive, as Mamba's is: a negative one grows the
+        delta = F.softplus(delta.astype("float32")).astype(dtype).detach()  # state exponentially, past fp16's range
+        delta.stop_gradient = False
     A = paddle.to_tensor(-np.exp(np.random.randn(dim, dstate) * 0.5).astype(np.float32))
     A.stop_gradient = False
     B = _leaf(shapes[case["B"]], dtype if case["B"] != "fixed" else "float32")
