@@ -16,28 +16,35 @@ return_final_states=False, return_varlen_states=False)``:
   also each sequence's final state ``[num_seqs, nheads, headdim, dstate]`` (float32). Order:
   ``y``, ``(y, final_states)``, ``(y, varlen_states)`` or ``(y, final_states, varlen_states)``.
 
-Backends: ``reference`` (pure Paddle SSD in float32, differentiable by autograd). The Triton SSD
-kernels are not written yet: ``backend="triton"`` raises ``BackendUnavailableError``.
+Backends: ``reference`` (pure Paddle SSD in float32, differentiable by autograd) and ``triton``
+(``kernels/triton/ssd.py``: the chunked forward in five stages inside a PyLayer whose backward runs
+``kernels/triton/ssd_backward.py``). The Triton kernels take chunk sizes that are powers of two
+(>= 16 on the GPU); ``auto`` falls back to the reference for other sizes, and while the backward
+module is absent it also falls back whenever an input requires a gradient. On the Triton backend the
+varlen states are not differentiable (use the reference backend to train through them);
+final_states are.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import numpy as np
 import paddle
+from paddle.autograd import PyLayer
 
+from ..kernels.triton import ssd as K
 from ..reference import ssd as ref
+from ..runtime import tensor as T
 from ..runtime.backend import resolve_backend
-from ._checks import check_tensor, device_of
+from ..runtime.triton_paddle import triton_args
+from ._checks import check_tensor, contiguous, device_of
+from ._pylayer import cast_like, check_shape, empty_on, grads_for, needs_grad, zeros32_on
 
-IMPLEMENTED = ("reference",)
+IMPLEMENTED = ("reference", "triton")
+_BACKWARD_MODULE = "paddlenlp_fused.kernels.triton.ssd_backward"
 _INT_DTYPES = ("int32", "int64")
-
-
-def _check_shape(name, t, expected, what):
-    if list(t.shape) != list(expected):
-        raise ValueError(f"{name}: expected {what} = {list(expected)}, got {list(t.shape)}")
 
 
 def _check_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_limit,
@@ -49,15 +56,15 @@ def _check_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_i
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}")
     check_tensor("dt", dt)
-    _check_shape("dt", dt, [batch, seqlen, nheads], "[batch, seqlen, nheads]")
+    check_shape("dt", dt, [batch, seqlen, nheads], "[batch, seqlen, nheads]")
     check_tensor("A", A)
-    _check_shape("A", A, [nheads], "[nheads]")
+    check_shape("A", A, [nheads], "[nheads]")
     check_tensor("B", B)
     if B.ndim != 4 or B.shape[:2] != [batch, seqlen] or B.shape[2] < 1 or nheads % B.shape[2] != 0:
         raise ValueError(f"B: expected [batch={batch}, seqlen={seqlen}, ngroups dividing nheads={nheads}, dstate], "
                          f"got {list(B.shape)}")
     check_tensor("C", C)
-    _check_shape("C", C, B.shape, "B's shape [batch, seqlen, ngroups, dstate]")
+    check_shape("C", C, B.shape, "B's shape [batch, seqlen, ngroups, dstate]")
     dstate = B.shape[3]
     if D is not None:
         check_tensor("D", D)
@@ -65,17 +72,17 @@ def _check_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_i
             raise ValueError(f"D: expected [nheads={nheads}] or [nheads, headdim={headdim}], got {list(D.shape)}")
     if z is not None:
         check_tensor("z", z)
-        _check_shape("z", z, x.shape, "x's shape [batch, seqlen, nheads, headdim]")
+        check_shape("z", z, x.shape, "x's shape [batch, seqlen, nheads, headdim]")
     if dt_bias is not None:
         check_tensor("dt_bias", dt_bias)
-        _check_shape("dt_bias", dt_bias, [nheads], "[nheads]")
+        check_shape("dt_bias", dt_bias, [nheads], "[nheads]")
     if initial_states is not None:
         check_tensor("initial_states", initial_states)
-        _check_shape("initial_states", initial_states, [batch, nheads, headdim, dstate],
+        check_shape("initial_states", initial_states, [batch, nheads, headdim, dstate],
                      "[batch, nheads, headdim, dstate]")
     if seq_idx is not None:
         check_tensor("seq_idx", seq_idx, float_dtypes=_INT_DTYPES)
-        _check_shape("seq_idx", seq_idx, [batch, seqlen], "[batch, seqlen]")
+        check_shape("seq_idx", seq_idx, [batch, seqlen], "[batch, seqlen]")
     try:
         lo, hi = (float(v) for v in dt_limit)
     except (TypeError, ValueError):
@@ -105,23 +112,120 @@ def cu_seqlens_to_seq_idx(bounds, seqlen):
     return paddle.to_tensor(np.repeat(np.arange(lengths.size, dtype=np.int32), lengths)[None, :seqlen])
 
 
+def _backward_available() -> bool:
+    return importlib.util.find_spec(_BACKWARD_MODULE) is not None
+
+
+def _triton_unsupported(chunk_size, wants_grad):
+    def why(name):
+        if name != "triton":
+            return None
+        try:
+            K.check_chunk_size(int(chunk_size))
+        except ValueError as exc:
+            return str(exc)
+        if wants_grad and not _backward_available():
+            return "the SSD backward kernels (kernels/triton/ssd_backward.py) are not available"
+        return None
+    return why
+
+
+class SSDChunkedFunction(PyLayer):
+    """Triton forward (stages of ``kernels/triton/ssd.py``) and backward (``ssd_chunked_bwd``).
+    Outputs y, final_states and, with ``positions``, the states after those tokens."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, positions, chunk_size, dt_softplus,
+                dt_limit, final_differentiable):
+        ctx.needs_grad = needs_grad(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, positions)
+        x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = (
+            contiguous(t) for t in (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx))
+        batch, seqlen, nheads, headdim = x.shape
+        shapes = K.buffer_shapes(batch, seqlen, nheads, headdim, B.shape[2], B.shape[3], chunk_size)
+        buf = {name: empty_on(shape, "float32", x) for name, shape in shapes.items()}
+        out = empty_on(x.shape, x.dtype, x)
+        out_x = empty_on(x.shape, x.dtype, x) if z is not None else None
+        args = triton_args(x, dt, A, B, C, out, buf["dt_out"], buf["dA_cumsum"], buf["states"], buf["CB"],
+                           buf["final_states"], D, z, out_x, dt_bias, initial_states, seq_idx)
+        K.ssd_chunked_fwd(*args[:11], chunk_size=chunk_size, D=args[11], z=args[12], out_x=args[13],
+                          dt_bias=args[14], initial_states=args[15], seq_idx=args[16], dt_softplus=dt_softplus,
+                          dt_limit=dt_limit)
+        results = [out, buf["final_states"]]
+        if positions is not None:
+            states_at = empty_on([batch, positions.shape[0], nheads, headdim, B.shape[3]], "float32", x)
+            a = triton_args(x, dt, A, B, buf["dt_out"], buf["dA_cumsum"], buf["states"], positions, states_at,
+                            seq_idx)
+            K.ssd_states_at(*a[:9], chunk_size=chunk_size, seq_idx=a[9])
+            ctx.mark_non_differentiable(states_at)
+            results.append(states_at)
+        if not final_differentiable:
+            ctx.mark_non_differentiable(buf["final_states"])
+        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, buf["dt_out"],
+                              buf["dA_cumsum"], buf["states"], buf["CB"], out_x)
+        ctx.has_positions = positions is not None
+        ctx.options = dict(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit)
+        return tuple(results)
+
+    @staticmethod
+    def backward(ctx, dout, dfinal=None, dstates_at=None):
+        from ..kernels.triton.ssd_backward import ssd_chunked_bwd, workspace_shapes
+
+        x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dt_out, dA_cumsum, states, CB, out_x = \
+            ctx.saved_tensor()
+        dout = contiguous(dout)
+        dfinal = contiguous(dfinal) if dfinal is not None else None
+        dx, ddt = empty_on(x.shape, x.dtype, x), empty_on(dt.shape, dt.dtype, x)
+        dA, dB, dC = zeros32_on(A.shape, x), zeros32_on(B.shape, x), zeros32_on(C.shape, x)
+        dD = zeros32_on(D.shape, x) if D is not None else None
+        dz = empty_on(z.shape, z.dtype, x) if z is not None else None
+        ddt_bias = zeros32_on(dt_bias.shape, x) if dt_bias is not None else None
+        dinit = zeros32_on(initial_states.shape, x) if initial_states is not None else None
+        names, work = [], []
+        for name, (shape, dtype) in workspace_shapes(*x.shape, B.shape[3], ctx.options["chunk_size"], z is not None,
+                                                     T.dtype_name(dout)).items():
+            names.append(name)
+            work.append(empty_on(shape, dtype, x))
+        a = triton_args(dout, x, dt, A, B, C, dt_out, dA_cumsum, states, CB, dx, ddt, dA, dB, dC, D, z, out_x,
+                        dt_bias, initial_states, seq_idx, dfinal, dD, dz, ddt_bias, dinit, *work)
+        ssd_chunked_bwd(*a[:15], D=a[15], z=a[16], out_x=a[17], dt_bias=a[18], initial_states=a[19],
+                        seq_idx=a[20], dfinal_states=a[21], dD=a[22], dz=a[23], ddt_bias=a[24],
+                        dinitial_states=a[25], workspace=dict(zip(names, a[26:])), **ctx.options)
+        grads = [(dx, x), (ddt, dt), (cast_like(dA, A), A), (cast_like(dB, B), B), (cast_like(dC, C), C),
+                 (cast_like(dD, D), D), (dz, z), (cast_like(ddt_bias, dt_bias), dt_bias),
+                 (cast_like(dinit, initial_states), initial_states), (None, seq_idx)]
+        return grads_for(ctx, [g for g, t in grads if t is not None] + ([None] if ctx.has_positions else []))
+
+
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
                               seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
                               return_final_states=False, return_varlen_states=False, backend: str = "auto"):
     """The Mamba-2 SSD scan (see the module docstring for shapes and results)."""
     bounds = _check_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_limit,
                          return_varlen_states)
-    resolve_backend("mamba_chunk_scan_combined", backend, device_of(x), implemented=IMPLEMENTED)
+    device = device_of(x)
+    wants_grad = paddle.is_grad_enabled() and any(needs_grad(x, dt, A, B, C, D, z, dt_bias, initial_states))
+    chosen = resolve_backend("mamba_chunk_scan_combined", backend, device, implemented=IMPLEMENTED,
+                             unsupported=_triton_unsupported(chunk_size, wants_grad))
     if bounds is not None:
         seq_idx = cu_seqlens_to_seq_idx(bounds, x.shape[1])
     states_at = (bounds[1:] - 1).tolist() if return_varlen_states else None
-    out = ref.ssd_chunked_ref(x, dt, A, B, C, int(chunk_size), D=D, z=z, dt_bias=dt_bias,
-                              initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus,
-                              dt_limit=tuple(float(v) for v in dt_limit), states_at=states_at)
-    y, final_states = out[0], out[1].astype("float32")
+    dt_limit = tuple(float(v) for v in dt_limit)
+    if chosen == "triton":
+        runs = None if seq_idx is None else ref.segment_ids(seq_idx, x.shape[0], x.shape[1])
+        positions = None if states_at is None else paddle.to_tensor(np.asarray(states_at, np.int64), place=x.place)
+        out = SSDChunkedFunction.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, runs, positions,
+                                       int(chunk_size), bool(dt_softplus), dt_limit, bool(return_final_states))
+        y, final_states = out[0], out[1]
+        varlen = out[2][0] if states_at is not None else None
+    else:
+        out = ref.ssd_chunked_ref(x, dt, A, B, C, int(chunk_size), D=D, z=z, dt_bias=dt_bias,
+                                  initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus,
+                                  dt_limit=dt_limit, states_at=states_at)
+        y, final_states = out[0], out[1].astype("float32")
+        varlen = out[2][0].astype("float32") if states_at is not None else None  # batch 1
     results = [y]
     if return_final_states:
         results.append(final_states)
     if return_varlen_states:
-        results.append(out[2][0].astype("float32"))  # batch 1: [num_seqs, nheads, headdim, dstate]
+        results.append(varlen)  # [num_seqs, nheads, headdim, dstate]
     return results[0] if len(results) == 1 else tuple(results)

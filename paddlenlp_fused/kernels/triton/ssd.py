@@ -1,0 +1,744 @@
+"""Mamba-2 SSD (state-space duality) forward: the chunked scan in five stages, plus states at chosen
+token positions (per-sequence final states of packed rows).
+
+Shapes (``b`` batch, ``l`` seqlen, ``h`` nheads, ``p`` headdim, ``g`` ngroups dividing h, ``n`` dstate,
+``K`` chunk_size, ``c`` nchunks = ceil(l / K)); every tensor contiguous:
+
+    x, z, out, out_x          [b, l, h, p]       x's dtype (out_x: y before the z gate)
+    dt                        [b, l, h]          any float dtype
+    A, dt_bias                [h]
+    B, C                      [b, l, g, n]       head ``hd`` reads group ``hd // (h / g)``
+    D                         [h] or [h, p]
+    initial_states            [b, h, p, n]
+    seq_idx                   [b, l] int32/int64 run ids: equal values share a state only within one
+                              run (the op numbers the runs, so ids never repeat after a change)
+    dt_out, dA_cumsum         [b, h, c, K] fp32  processed dt (0 past l); inclusive cumsum of dt*A per chunk
+    CB                        [b, c, g, K, K] fp32  C_t . B_s inside each chunk (unmasked)
+    states                    [b, c, h, p, n] fp32  the state entering each chunk
+    final_states              [b, h, p, n] fp32  the state after the last token
+
+Recurrence (per head): ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T``, ``y_t = h_t C_t + D x_t``, then
+``y_t * silu(z_t)``; ``dt = clip(softplus?(dt + dt_bias), dt_limit)``.
+
+Stages (one launch each), with ``cs`` = dA_cumsum:
+ 1. chunk cumsum: dt processed, ``cs`` within each chunk.
+ 2. CB: ``C_t . B_s`` per chunk and group (shared by the group's heads).
+ 3. chunk states: each chunk's own end state from zero, ``sum_s exp(cs_end - cs_s) dt_s x_s B_s^T``,
+    written where stage 4 reads it: into ``states[:, c + 1]`` (the last chunk's into final_states),
+    so no workspace is needed.
+ 4. state passing: sequential over chunks, parallel over (b, h, p*n):
+    ``states[c + 1] = carry_c states[c] + own_c`` with ``carry_c = exp(cs_end of c)``, zeroed when a
+    new run ends chunk c (seq_idx), exactly as the reference.
+ 5. chunk scan: ``y_t = sum_{s<=t, same run} CB_ts exp(cs_t - cs_s) dt_s x_s
+    + exp(cs_t) C_t states[c]^T (if t is in the run that entered the chunk) + D x_t``, then the gate;
+    the CB blocks are recomputed by matmul from the C tile held in registers (attention-style), or
+    loaded from stage 2's CB (``SSDConfig.recompute_cb``; stage 2 runs either way: the backward reads CB).
+
+Stages 3 and 5 are autotuned (``triton.autotune``) on the GPU once batch * nchunks * nheads reaches
+``TUNE_MIN_PROGRAMS`` and no ``config`` is given; otherwise they take ``SSDConfig``'s tiles.
+
+Matmuls run on ``tl.dot`` with 16-bit operands for 16-bit inputs (the fp32 decay-weighted factors and
+the fp32 entering state are rounded to x's dtype, as an fp32-accumulating bf16 GEMM would; for bf16 the
+intra-chunk weights go in as two bf16 terms, see ``SSDConfig.split_scores``) and IEEE fp32 for fp32
+inputs; accumulation, states and cumsums are fp32. Offsets: 64-bit bases, 32-bit offsets inside a chunk
+(the launcher checks chunk_size * nheads * headdim and chunk_size * ngroups * dstate fit).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import triton
+import triton.language as tl
+
+from ...runtime import tensor as T
+from .interpreter_compat import INTERPRETING, dot_operand
+
+
+class SSDConfig(NamedTuple):
+    """Tile sizes (powers of two; clipped to the problem) and launch options of the stages (defaults:
+    the best of round A's sweep on the H200 at the canonical shape)."""
+    cumsum_block_h: int = 8
+    cb_block: int = 64           # CB tile [cb_block, cb_block], dstate steps of 64
+    state_block_p: int = 64      # chunk-state tile [p, n], token steps
+    state_block_n: int = 128
+    state_block_k: int = 32
+    state_warps: int = 4
+    state_stages: int = 3
+    pass_block: int = 512        # state passing: p*n elements per program
+    # stages 3+4 fused: one program per (p, n) tile, batch and head walks the chunks (the own states
+    # never leave registers); fewer, sequential programs
+    fuse_state_passing: bool = False
+    fused_block_p: int = 64
+    fused_block_n: int = 64
+    scan_block_m: int = 64       # chunk-scan tile [tokens, p], token steps, dstate steps
+    scan_block_p: int = 64
+    scan_block_k: int = 64
+    scan_block_n: int = 128
+    scan_warps: int = 4
+    scan_stages: int = 2
+    # bf16 only: the intra-chunk weights (C.B * decay * dt, fp32) go into the matmul as two bf16 terms;
+    # one term's rounding alone was the largest error of y (about 2x the output's own rounding)
+    split_scores: bool = True
+    # chunk scan recomputes its C.B blocks by matmul (C tile kept in registers) instead of loading
+    # the fp32 CB written by stage 2 (which the backward still reads); for dstate <= 256
+    recompute_cb: bool = True
+
+
+DEFAULT_CONFIG = SSDConfig()
+_RECOMPUTE_CB_MAX_DSTATE = 256
+# the interpreter runs every program in Python: big tiles, few programs
+_INTERPRETER_TILE = 16
+
+
+@triton.jit
+def _process_dt(dt, bias, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                dt_min, dt_max):
+    if HAS_BIAS:
+        dt += bias
+    if DT_SOFTPLUS:  # linear above 20 as torch/paddle softplus; the exp overflow there is discarded
+        dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(tl.minimum(dt, 20.0))), dt)
+    if HAS_LIMIT:
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    return dt
+
+
+@triton.jit
+def _chunk_cumsum_kernel(dt_ptr, A_ptr, dt_bias_ptr, dt_out_ptr, cs_ptr, seqlen, nheads, nchunks, dt_min, dt_max,
+                         CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+                         HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (batch, chunk, block of heads): dt_out and the running sum of dt*A in BLOCK_T steps."""
+    pid_b, pid_c, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < nheads
+    A = tl.load(A_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
+    bias = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(dt_bias_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
+    # [b, h, c, K] rows of this chunk, one per head
+    out_rows = ((pid_b * nheads + heads).to(tl.int64) * nchunks + pid_c) * CHUNK
+    carry = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k0 in range(0, CHUNK, BLOCK_T):
+        k = k0 + tl.arange(0, BLOCK_T)
+        tok = pid_c * CHUNK + k
+        valid = (tok < seqlen)[:, None] & hmask[None, :]
+        rows = pid_b.to(tl.int64) * seqlen + tok
+        dt = tl.load(dt_ptr + rows[:, None] * nheads + heads[None, :], mask=valid, other=0.0).to(tl.float32)
+        dt = tl.where(valid, _process_dt(dt, bias[None, :], HAS_BIAS, DT_SOFTPLUS, HAS_LIMIT, dt_min, dt_max), 0.0)
+        dA = dt * A[None, :]
+        cs = tl.cumsum(dA, axis=0) + carry[None, :]
+        carry += tl.sum(dA, axis=0)
+        offs = out_rows[None, :] + k[:, None]
+        tl.store(dt_out_ptr + offs, dt, mask=hmask[None, :])
+        tl.store(cs_ptr + offs, cs, mask=hmask[None, :])
+
+
+@triton.jit
+def _chunk_cb_kernel(C_ptr, B_ptr, CB_ptr, seqlen, nchunks, ngroups, dstate, CHUNK: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """Program (tile of [t, s], batch*chunk, group): CB[t, s] = C_t . B_s over dstate in BLOCK_N steps."""
+    pid_ts, pid_bc, pid_g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tiles_s = CHUNK // BLOCK_S
+    t = (pid_ts // tiles_s) * BLOCK_M + tl.arange(0, BLOCK_M)
+    s = (pid_ts % tiles_s) * BLOCK_S + tl.arange(0, BLOCK_S)
+    pid_b, pid_c = pid_bc // nchunks, pid_bc % nchunks
+    tok_t, tok_s = pid_c * CHUNK + t, pid_c * CHUNK + s
+    rows_t = (pid_b.to(tl.int64) * seqlen + tok_t) * ngroups + pid_g
+    rows_s = (pid_b.to(tl.int64) * seqlen + tok_s) * ngroups + pid_g
+    acc = tl.zeros([BLOCK_M, BLOCK_S], dtype=tl.float32)
+    for n0 in range(0, dstate, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        c = tl.load(C_ptr + rows_t[:, None] * dstate + n[None, :],
+                    mask=(tok_t < seqlen)[:, None] & (n < dstate)[None, :], other=0.0)
+        b = tl.load(B_ptr + rows_s[None, :] * dstate + n[:, None],
+                    mask=(tok_s < seqlen)[None, :] & (n < dstate)[:, None], other=0.0)
+        acc = tl.dot(dot_operand(c), dot_operand(b), acc, input_precision=DOT_PRECISION)
+    out_rows = ((pid_b.to(tl.int64) * nchunks + pid_c) * ngroups + pid_g) * CHUNK + t
+    tl.store(CB_ptr + out_rows[:, None] * CHUNK + s[None, :], acc)
+
+
+@triton.jit
+def _own_state(x_ptr, B_ptr, dt_out_ptr, cs_ptr, seq_ptr, pid_b, pid_c, pid_h, t_end, p, n, seqlen, nheads, headdim,
+               ngroups, dstate, nchunks, CHUNK: tl.constexpr, HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [p, n] tile of ``sum_{k <= t_end, same run as t_end} exp(cs_end - cs_k) dt_k x_k B_k^T``
+    over chunk ``pid_c`` (fp32), and cs_end."""
+    pmask, nmask = p < headdim, n < dstate
+    group = pid_h // (nheads // ngroups)
+    chunk_row = ((pid_b * nheads + pid_h).to(tl.int64) * nchunks + pid_c) * CHUNK  # [b, h, c, K]
+    cs_end = tl.load(cs_ptr + chunk_row + t_end)
+    if HAS_SEQ:
+        seq_row = seq_ptr + pid_b.to(tl.int64) * seqlen
+        seg_end = tl.load(seq_row + tl.minimum(pid_c * CHUNK + t_end, seqlen - 1))
+    # scalar 64-bit bases of the chunk's first token, 32-bit offsets inside the chunk
+    first_row = (pid_b * seqlen).to(tl.int64) + pid_c * CHUNK
+    x_stride, bc_stride = nheads * headdim, ngroups * dstate
+    x_base = x_ptr + first_row * x_stride + pid_h * headdim
+    B_base = B_ptr + first_row * bc_stride + group * dstate
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, t_end + 1, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        tok = pid_c * CHUNK + k
+        kmask = (k <= t_end) & (tok < seqlen)
+        cs_k = tl.load(cs_ptr + chunk_row + k, mask=kmask, other=0.0)
+        dt_k = tl.load(dt_out_ptr + chunk_row + k, mask=kmask, other=0.0)
+        keep = kmask
+        if HAS_SEQ:
+            keep = keep & (tl.load(seq_row + tok, mask=kmask, other=0) == seg_end)
+        # masked before exp: past t_end cs_end - cs_k may be positive and overflow
+        weight = tl.exp(tl.where(keep, cs_end - cs_k, float("-inf"))) * dt_k
+        xt = tl.load(x_base + k[None, :] * x_stride + p[:, None], mask=pmask[:, None] & kmask[None, :],
+                     other=0.0)                                                           # [p, k]
+        b = tl.load(B_base + k[:, None] * bc_stride + n[None, :], mask=kmask[:, None] & nmask[None, :],
+                    other=0.0).to(tl.float32)                                             # [k, n]
+        bw = (b * weight[:, None]).to(xt.dtype)
+        acc = tl.dot(dot_operand(xt), dot_operand(bw), acc, input_precision=DOT_PRECISION)
+    return acc, cs_end
+
+
+@triton.jit
+def _tile_of(pid_pn, dstate, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    tiles_n = tl.cdiv(dstate, BLOCK_N)
+    p = (pid_pn // tiles_n) * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = (pid_pn % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return p, n
+
+
+@triton.jit
+def _chunk_state_kernel(x_ptr, B_ptr, dt_out_ptr, cs_ptr, seq_ptr, states_ptr, final_ptr, pos_ptr, at_ptr,
+                        seqlen, nheads, headdim, ngroups, dstate, nchunks, ncols, CHUNK: tl.constexpr,
+                        HAS_SEQ: tl.constexpr, AT_POSITIONS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (tile of [p, n], batch*column, head).
+
+    Without AT_POSITIONS a column is a chunk: its own end state from zero, stored for the state
+    passing (``states[:, c + 1]``, the last chunk's in final_states). With AT_POSITIONS a column is a
+    token position ``pos_ptr[i]``: the state right after it, i.e. its chunk's tokens up to it plus the
+    decayed entering state when the token is in the run that entered the chunk, stored in ``at_ptr``
+    [b, ncols, h, p, n]."""
+    pid_pn, pid_bi, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    p, n = _tile_of(pid_pn, dstate, BLOCK_P, BLOCK_N)
+    pid_b, pid_i = pid_bi // ncols, pid_bi % ncols
+    if AT_POSITIONS:
+        pos = tl.load(pos_ptr + pid_i).to(tl.int32)
+        pid_c, t_end = pos // CHUNK, pos % CHUNK
+    else:
+        pid_c, t_end = pid_i, CHUNK - 1
+    acc, cs_end = _own_state(x_ptr, B_ptr, dt_out_ptr, cs_ptr, seq_ptr, pid_b, pid_c, pid_h, t_end, p, n, seqlen,
+                             nheads, headdim, ngroups, dstate, nchunks, CHUNK, HAS_SEQ, DOT_PRECISION,
+                             BLOCK_P, BLOCK_N, BLOCK_K)
+    tile = p[:, None] * dstate + n[None, :]
+    tile_mask = (p < headdim)[:, None] & (n < dstate)[None, :]
+    head_state = (pid_b * nheads + pid_h).to(tl.int64) * headdim * dstate  # into [b, h, p, n]
+    if AT_POSITIONS:
+        from_start = cs_end
+        entering = (((pid_b * nchunks + pid_c).to(tl.int64) * nheads + pid_h) * headdim) * dstate
+        carried = tl.load(states_ptr + entering + tile, mask=tile_mask, other=0.0)
+        if HAS_SEQ:  # in the run of the token just before the chunk (the first token's for chunk 0)?
+            seq_row = seq_ptr + pid_b.to(tl.int64) * seqlen
+            seg_end = tl.load(seq_row + pid_c * CHUNK + t_end)
+            seg_prev = tl.load(seq_row + tl.maximum(pid_c * CHUNK - 1, 0))
+            from_start = tl.where(seg_end == seg_prev, cs_end, float("-inf"))
+        acc += tl.exp(from_start) * carried
+        out = (((pid_b * ncols + pid_i).to(tl.int64) * nheads + pid_h) * headdim) * dstate
+        tl.store(at_ptr + out + tile, acc, mask=tile_mask)
+    elif pid_c == nchunks - 1:
+        tl.store(final_ptr + head_state + tile, acc, mask=tile_mask)
+    else:
+        nxt = (((pid_b * nchunks + pid_c + 1).to(tl.int64) * nheads + pid_h) * headdim) * dstate
+        tl.store(states_ptr + nxt + tile, acc, mask=tile_mask)
+
+
+@triton.jit
+def _fused_state_passing_kernel(x_ptr, B_ptr, dt_out_ptr, cs_ptr, seq_ptr, init_ptr, states_ptr, final_ptr,
+                                seqlen, nheads, headdim, ngroups, dstate, nchunks, CHUNK: tl.constexpr,
+                                HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Stages 3 and 4 in one: program (tile of [p, n], batch, head) walks the chunks, stores the
+    entering state, adds the chunk's own state to the carried one in registers (no round trip of the
+    own states through memory; fewer programs, each sequential over the chunks)."""
+    pid_pn, pid_b, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    p, n = _tile_of(pid_pn, dstate, BLOCK_P, BLOCK_N)
+    tile = p[:, None] * dstate + n[None, :]
+    tile_mask = (p < headdim)[:, None] & (n < dstate)[None, :]
+    head_state = (pid_b * nheads + pid_h).to(tl.int64) * headdim * dstate
+    if HAS_INIT:
+        h = tl.load(init_ptr + head_state + tile, mask=tile_mask, other=0.0).to(tl.float32)
+    else:
+        h = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    chunk_row_0 = (pid_b * nheads + pid_h).to(tl.int64) * nchunks * CHUNK
+    for c in range(0, nchunks):
+        entering = (((pid_b * nchunks + c).to(tl.int64) * nheads + pid_h) * headdim) * dstate
+        tl.store(states_ptr + entering + tile, h, mask=tile_mask)
+        own, _ = _own_state(x_ptr, B_ptr, dt_out_ptr, cs_ptr, seq_ptr, pid_b, c, pid_h, CHUNK - 1, p, n, seqlen,
+                            nheads, headdim, ngroups, dstate, nchunks, CHUNK, HAS_SEQ, DOT_PRECISION,
+                            BLOCK_P, BLOCK_N, BLOCK_K)
+        h = _chunk_carry(cs_ptr, chunk_row_0, seq_ptr, pid_b, c, seqlen, CHUNK, HAS_SEQ) * h + own
+    tl.store(final_ptr + head_state + tile, h, mask=tile_mask)
+
+
+@triton.jit
+def _chunk_carry(cs_ptr, chunk_row_0, seq_ptr, pid_b, c, seqlen, CHUNK: tl.constexpr, HAS_SEQ: tl.constexpr):
+    """exp(cs at the end of chunk c), zeroed when the run ending chunk c is not the one that entered it."""
+    carry = tl.exp(tl.load(cs_ptr + chunk_row_0 + c * CHUNK + CHUNK - 1))
+    if HAS_SEQ:
+        seq_row = seq_ptr + pid_b.to(tl.int64) * seqlen
+        seg_end = tl.load(seq_row + tl.minimum(c * CHUNK + CHUNK - 1, seqlen - 1))
+        seg_prev = tl.load(seq_row + tl.maximum(c * CHUNK - 1, 0))
+        carry = tl.where(seg_end == seg_prev, carry, 0.0)
+    return carry
+
+
+@triton.jit
+def _state_passing_kernel(states_ptr, final_ptr, init_ptr, cs_ptr, seq_ptr, seqlen, nheads, nchunks, state_size,
+                          CHUNK: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """Program (block of p*n, batch, head): walks the chunks; ``states[c + 1]`` (and final_states for
+    the last chunk) hold the chunk's own end state on entry and the carried state on exit."""
+    pid_e, pid_b, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    e = pid_e * BLOCK + tl.arange(0, BLOCK)
+    emask = e < state_size
+    head_state = (pid_b * nheads + pid_h).to(tl.int64) * state_size + e
+    if HAS_INIT:
+        h = tl.load(init_ptr + head_state, mask=emask, other=0.0).to(tl.float32)
+    else:
+        h = tl.zeros([BLOCK], dtype=tl.float32)
+    chunk_row_0 = (pid_b * nheads + pid_h).to(tl.int64) * nchunks * CHUNK
+    tl.store(states_ptr + ((pid_b * nchunks).to(tl.int64) * nheads + pid_h) * state_size + e, h, mask=emask)
+    for c in range(0, nchunks - 1):
+        ptrs = states_ptr + ((pid_b * nchunks + c + 1).to(tl.int64) * nheads + pid_h) * state_size + e
+        own = tl.load(ptrs, mask=emask, other=0.0)
+        h = _chunk_carry(cs_ptr, chunk_row_0, seq_ptr, pid_b, c, seqlen, CHUNK, HAS_SEQ) * h + own
+        tl.store(ptrs, h, mask=emask)
+    own = tl.load(final_ptr + head_state, mask=emask, other=0.0)
+    h = _chunk_carry(cs_ptr, chunk_row_0, seq_ptr, pid_b, nchunks - 1, seqlen, CHUNK, HAS_SEQ) * h + own
+    tl.store(final_ptr + head_state, h, mask=emask)
+
+
+@triton.jit
+def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, CB_ptr, dt_out_ptr, cs_ptr, states_ptr, seq_ptr, D_ptr, z_ptr, out_ptr,
+                       out_x_ptr, seqlen, nheads, headdim, ngroups, dstate, nchunks, CHUNK: tl.constexpr,
+                       HAS_SEQ: tl.constexpr, HAS_D: tl.constexpr, D_PER_DIM: tl.constexpr, HAS_Z: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, SPLIT_SCORES: tl.constexpr, RECOMPUTE_CB: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (tile of [t, p], batch*chunk, head): the output of BLOCK_M tokens of one chunk.
+
+    RECOMPUTE_CB (needs BLOCK_N >= dstate): the C tile stays in registers and each [t, s] block of
+    C.B is recomputed by a matmul, as attention does with Q K^T, instead of loading fp32 CB; the
+    block's weights then feed the second matmul from registers. Scalar 64-bit bases, 32-bit offsets
+    inside the chunk (the launcher checks they fit)."""
+    pid_tp, pid_bc, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tiles_p = tl.cdiv(headdim, BLOCK_P)
+    m_start = (pid_tp // tiles_p) * BLOCK_M
+    t = m_start + tl.arange(0, BLOCK_M)
+    p = (pid_tp % tiles_p) * BLOCK_P + tl.arange(0, BLOCK_P)
+    pmask = p < headdim
+    pid_b, pid_c = pid_bc // nchunks, pid_bc % nchunks
+    group = pid_h // (nheads // ngroups)
+    chunk_len = seqlen - pid_c * CHUNK  # tokens of this chunk before the end (more than CHUNK but the last)
+    tmask = t < chunk_len
+    first_row = (pid_b * seqlen).to(tl.int64) + pid_c * CHUNK
+    x_stride = nheads * headdim
+    bc_stride = ngroups * dstate
+    x_base = x_ptr + first_row * x_stride + pid_h * headdim
+    C_base = C_ptr + first_row * bc_stride + group * dstate
+    B_base = B_ptr + first_row * bc_stride + group * dstate
+    chunk_row = ((pid_b * nheads + pid_h).to(tl.int64) * nchunks + pid_c) * CHUNK
+    cs_t = tl.load(cs_ptr + chunk_row + t)
+    if HAS_SEQ:
+        seq_row = seq_ptr + first_row
+        seg_t = tl.load(seq_row + t, mask=tmask, other=-1)
+        seg_prev = tl.load(seq_row + tl.maximum(-1, -pid_c * CHUNK))  # the token before the chunk (or token 0)
+
+    # inter-chunk: exp(cs_t) C_t . state_in[p, :]
+    mm_dtype = x_ptr.dtype.element_ty  # the products run in x's dtype, whatever C's is
+    acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
+    st_base = states_ptr + (((pid_b * nchunks + pid_c).to(tl.int64) * nheads + pid_h) * headdim) * dstate
+    if RECOMPUTE_CB:  # one dstate tile; c stays for the intra-chunk products
+        n = tl.arange(0, BLOCK_N)
+        nmask = n < dstate
+        c = tl.load(C_base + t[:, None] * bc_stride + n[None, :], mask=tmask[:, None] & nmask[None, :],
+                    other=0.0).to(mm_dtype)                                                # [t, n]
+        st = tl.load(st_base + p[None, :] * dstate + n[:, None], mask=nmask[:, None] & pmask[None, :],
+                     other=0.0)                                                            # [n, p]
+        acc = tl.dot(dot_operand(c), dot_operand(st.to(mm_dtype)), acc, input_precision=DOT_PRECISION)
+    else:
+        for n0 in range(0, dstate, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            nmask = n < dstate
+            c = tl.load(C_base + t[:, None] * bc_stride + n[None, :], mask=tmask[:, None] & nmask[None, :],
+                        other=0.0).to(mm_dtype)
+            st = tl.load(st_base + p[None, :] * dstate + n[:, None], mask=nmask[:, None] & pmask[None, :],
+                         other=0.0)
+            acc = tl.dot(dot_operand(c), dot_operand(st.to(mm_dtype)), acc, input_precision=DOT_PRECISION)
+    from_start = cs_t
+    if HAS_SEQ:
+        from_start = tl.where(seg_t == seg_prev, cs_t, float("-inf"))
+    acc *= tl.exp(from_start)[:, None]
+
+    # intra-chunk: sum_{s <= t, same run} CB[t, s] exp(cs_t - cs_s) dt_s x_s
+    cb_base = CB_ptr + ((pid_b * nchunks + pid_c).to(tl.int64) * ngroups + group) * CHUNK * CHUNK
+    for s0 in range(0, m_start + BLOCK_M, BLOCK_K):
+        s = s0 + tl.arange(0, BLOCK_K)
+        smask = s < chunk_len
+        cs_s = tl.load(cs_ptr + chunk_row + s)
+        dt_s = tl.load(dt_out_ptr + chunk_row + s)
+        if RECOMPUTE_CB:
+            bt = tl.load(B_base + s[None, :] * bc_stride + n[:, None], mask=nmask[:, None] & smask[None, :],
+                         other=0.0).to(mm_dtype)                                           # [n, s]
+            cb = tl.dot(dot_operand(c), dot_operand(bt), input_precision=DOT_PRECISION)
+        else:
+            cb = tl.load(cb_base + t[:, None] * CHUNK + s[None, :])
+        keep = s[None, :] <= t[:, None]
+        if HAS_SEQ:
+            seg_s = tl.load(seq_row + s, mask=smask, other=-2)
+            keep = keep & (seg_s[None, :] == seg_t[:, None])
+        # masked before exp: above the diagonal cs_t - cs_s > 0 may overflow
+        scores = cb * tl.exp(tl.where(keep, cs_t[:, None] - cs_s[None, :], float("-inf"))) * dt_s[None, :]
+        xs = tl.load(x_base + s[:, None] * x_stride + p[None, :], mask=smask[:, None] & pmask[None, :],
+                     other=0.0)                                                            # [s, p]
+        scores_hi = scores.to(xs.dtype)
+        acc = tl.dot(dot_operand(scores_hi), dot_operand(xs), acc, input_precision=DOT_PRECISION)
+        if SPLIT_SCORES:  # a second bf16 term carries what the first rounded off (8 more bits)
+            scores_lo = (scores - scores_hi.to(tl.float32)).to(xs.dtype)
+            acc = tl.dot(dot_operand(scores_lo), dot_operand(xs), acc, input_precision=DOT_PRECISION)
+
+    tile = t[:, None] * x_stride + p[None, :]
+    tile_mask = tmask[:, None] & pmask[None, :]
+    if HAS_D:
+        xt = tl.load(x_base + tile, mask=tile_mask, other=0.0).to(tl.float32)
+        if D_PER_DIM:
+            d = tl.load(D_ptr + pid_h * headdim + p, mask=pmask, other=0.0).to(tl.float32)[None, :]
+        else:
+            d = tl.load(D_ptr + pid_h).to(tl.float32)
+        acc += d * xt
+    out_offset = first_row * x_stride + pid_h * headdim
+    if HAS_Z:
+        tl.store(out_x_ptr + out_offset + tile, acc.to(out_x_ptr.dtype.element_ty), mask=tile_mask)
+        zt = tl.load(z_ptr + out_offset + tile, mask=tile_mask, other=0.0).to(tl.float32)
+        acc *= zt / (1.0 + tl.exp(-zt))
+    tl.store(out_ptr + out_offset + tile, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
+
+
+# ----------------------------------------------------------------------------------------------------
+# autotuned variants of stages 3 and 5 for large GPU problems (the sweep of round A on the H200 showed
+# 30% between tile choices of either stage); the interpreter and small problems use SSDConfig's tiles
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, triton.next_power_of_2(int(n)))
+
+
+def _prune_scan_configs(configs, named_args, **kwargs):
+    dstate_tile, headdim_tile = _pow2_at_least_16(named_args["dstate"]), _pow2_at_least_16(named_args["headdim"])
+    kept = [c for c in configs
+            if c.kwargs["BLOCK_M"] <= kwargs["CHUNK"] and c.kwargs["BLOCK_P"] <= headdim_tile
+            and (c.kwargs["BLOCK_N"] == dstate_tile if c.kwargs["RECOMPUTE_CB"]
+                 else c.kwargs["BLOCK_N"] <= dstate_tile)]
+    return kept or configs[-1:]
+
+
+def _prune_state_configs(configs, named_args, **kwargs):
+    kept = [c for c in configs if c.kwargs["BLOCK_K"] <= kwargs["CHUNK"]
+            and c.kwargs["BLOCK_P"] <= _pow2_at_least_16(named_args["headdim"])
+            and c.kwargs["BLOCK_N"] <= _pow2_at_least_16(named_args["dstate"])]
+    return kept or configs[-1:]
+
+
+_SCAN_CONFIGS = [triton.Config(dict(BLOCK_M=bm, BLOCK_P=bp, BLOCK_K=bk, BLOCK_N=bn, RECOMPUTE_CB=True),
+                               num_warps=w, num_stages=st)
+                 for bm, bp, bk, w, st in ((64, 64, 64, 4, 2), (128, 64, 64, 8, 2), (64, 128, 64, 4, 2),
+                                           (128, 128, 64, 8, 2), (64, 64, 32, 4, 3), (128, 64, 32, 4, 3),
+                                           (128, 128, 32, 8, 3), (64, 128, 32, 8, 3))
+                 for bn in (32, 64, 128, 256)]
+_SCAN_CONFIGS += [triton.Config(dict(BLOCK_M=bm, BLOCK_P=bp, BLOCK_K=bk, BLOCK_N=bn, RECOMPUTE_CB=False),
+                                num_warps=w, num_stages=st)
+                  for bm, bp, bk, bn, w, st in ((128, 64, 32, 64, 4, 3), (128, 128, 64, 64, 8, 2))]
+_chunk_scan_tuned = triton.autotune(_SCAN_CONFIGS, key=["CHUNK", "headdim", "dstate", "ngroups", "HAS_SEQ", "HAS_Z"],
+                                    prune_configs_by={"early_config_prune": _prune_scan_configs})(_chunk_scan_kernel)
+_STATE_CONFIGS = [triton.Config(dict(BLOCK_P=bp, BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=st)
+                  for bp, bn, bk, w, st in ((128, 128, 32, 8, 2), (64, 128, 32, 4, 3), (128, 64, 64, 8, 3),
+                                            (64, 128, 64, 8, 2), (64, 64, 64, 4, 2), (128, 128, 64, 8, 3))]
+_chunk_state_tuned = triton.autotune(_STATE_CONFIGS, key=["CHUNK", "headdim", "dstate", "ngroups", "HAS_SEQ"],
+                                     prune_configs_by={"early_config_prune": _prune_state_configs})(_chunk_state_kernel)
+TUNE_MIN_PROGRAMS = 2048  # batch * nchunks * nheads from which the tuned kernels run
+
+
+def tuned_configs():
+    """The configs the autotuner chose so far, per kernel (for the benchmark's record)."""
+    return {name: {str(key): str(cfg) for key, cfg in kernel.cache.items()}
+            for name, kernel in (("chunk_scan", _chunk_scan_tuned), ("chunk_state", _chunk_state_tuned))}
+
+
+# ----------------------------------------------------------------------------------------------------
+# launchers
+
+class _Dims(NamedTuple):
+    batch: int
+    seqlen: int
+    nheads: int
+    headdim: int
+    ngroups: int
+    dstate: int
+    chunk: int
+    nchunks: int
+
+
+def nchunks_of(seqlen: int, chunk_size: int) -> int:
+    return max(1, -(-int(seqlen) // int(chunk_size)))
+
+
+def check_chunk_size(chunk_size) -> int:
+    """The chunk sizes the kernels take: a power of two, >= 16 on the GPU (tl.dot tiles), >= 1 in the
+    interpreter."""
+    low = 1 if INTERPRETING else 16
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < low \
+            or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size: the Triton SSD kernels need a power of two >= {low}, got {chunk_size!r}")
+    return chunk_size
+
+
+def _expect(name, t, dims, dtypes=None):
+    if t is None:
+        return
+    T.check_same_shape(name, t, dims)
+    T.check_contiguous(name, t)
+    if dtypes is not None and T.dtype_name(t) not in dtypes:
+        raise TypeError(f"{name}: expected dtype in {list(dtypes)}, got {T.dtype_name(t)}")
+
+
+def _dims(x, B, chunk_size) -> _Dims:
+    if len(T.shape(x)) != 4:
+        raise ValueError(f"x: expected [batch, seqlen, nheads, headdim], got shape {T.shape(x)}")
+    batch, seqlen, nheads, headdim = T.shape(x)
+    if len(T.shape(B)) != 4 or T.shape(B)[:2] != (batch, seqlen) or T.shape(B)[2] < 1 \
+            or nheads % T.shape(B)[2]:
+        raise ValueError(f"B: expected [batch={batch}, seqlen={seqlen}, ngroups dividing nheads={nheads}, dstate], "
+                         f"got {T.shape(B)}")
+    if seqlen < 1:
+        raise ValueError(f"x: expected seqlen >= 1, got {seqlen}")
+    chunk = check_chunk_size(chunk_size)
+    ngroups, dstate = T.shape(B)[2:]
+    if chunk * max(nheads * headdim, ngroups * dstate) >= 2**31:  # 32-bit offsets inside a chunk
+        raise ValueError(f"chunk_size: chunk_size * nheads * headdim and chunk_size * ngroups * dstate must stay "
+                         f"below 2^31, got chunk_size={chunk}, x {T.shape(x)}, B {T.shape(B)}")
+    return _Dims(batch, seqlen, nheads, headdim, ngroups, dstate, chunk, nchunks_of(seqlen, chunk))
+
+
+def buffer_shapes(batch, seqlen, nheads, headdim, ngroups, dstate, chunk_size):
+    """Shapes of the fp32 buffers the forward writes (and the backward reads)."""
+    nchunks = nchunks_of(seqlen, chunk_size)
+    return {"dt_out": (batch, nheads, nchunks, chunk_size), "dA_cumsum": (batch, nheads, nchunks, chunk_size),
+            "states": (batch, nchunks, nheads, headdim, dstate),
+            "CB": (batch, nchunks, ngroups, chunk_size, chunk_size), "final_states": (batch, nheads, headdim, dstate)}
+
+
+def _tile(block: int, size: int, low: int) -> int:
+    """A power-of-two tile no larger than needed for ``size`` and no smaller than ``low``
+    (tl.dot needs 16 when compiled); the interpreter caps it at ``_INTERPRETER_TILE``."""
+    if INTERPRETING:
+        return min(_INTERPRETER_TILE, triton.next_power_of_2(size))
+    return max(low, min(block, triton.next_power_of_2(size)))
+
+
+def _dot_precision(x) -> str:
+    return "ieee" if T.dtype_name(x) == "float32" else "tf32"  # (ignored for 16-bit operands)
+
+
+def ssd_chunk_cumsum(dt, A, dt_out, dA_cumsum, *, chunk_size, dt_bias=None, dt_softplus=False,
+                     dt_limit=(0.0, math.inf), config: SSDConfig = DEFAULT_CONFIG) -> None:
+    """Stage 1: dt [b, l, h] -> dt_out, dA_cumsum [b, h, c, K] (fp32)."""
+    if len(T.shape(dt)) != 3:
+        raise ValueError(f"dt: expected [batch, seqlen, nheads], got shape {T.shape(dt)}")
+    batch, seqlen, nheads = T.shape(dt)
+    chunk = check_chunk_size(chunk_size)
+    nchunks = nchunks_of(seqlen, chunk)
+    _expect("dt", dt, (batch, seqlen, nheads))
+    _expect("A", A, (nheads,))
+    _expect("dt_bias", dt_bias, (nheads,))
+    for name, t in (("dt_out", dt_out), ("dA_cumsum", dA_cumsum)):
+        _expect(name, t, (batch, nheads, nchunks, chunk), ("float32",))
+    lo, hi = (float(v) for v in dt_limit)
+    block_h = _tile(config.cumsum_block_h, nheads, 1)
+    block_t = chunk if INTERPRETING else min(chunk, max(1, 2048 // block_h))
+    grid = (batch, nchunks, triton.cdiv(nheads, block_h))
+    _chunk_cumsum_kernel[grid](dt, A, dt_bias, dt_out, dA_cumsum, seqlen, nheads, nchunks, lo,
+                               hi if math.isfinite(hi) else 3.0e38, CHUNK=chunk, HAS_BIAS=dt_bias is not None,
+                               DT_SOFTPLUS=bool(dt_softplus), HAS_LIMIT=lo > 0.0 or math.isfinite(hi),
+                               BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4)
+
+
+def ssd_chunk_cb(C, B, CB, *, chunk_size, config: SSDConfig = DEFAULT_CONFIG) -> None:
+    """Stage 2: CB [b, c, g, K, K] = C_t . B_s within each chunk (fp32)."""
+    d = _dims_bc(B, chunk_size)
+    _expect("B", B, (d.batch, d.seqlen, d.ngroups, d.dstate))
+    _expect("C", C, (d.batch, d.seqlen, d.ngroups, d.dstate))
+    _expect("CB", CB, (d.batch, d.nchunks, d.ngroups, d.chunk, d.chunk), ("float32",))
+    block = min(_tile(config.cb_block, d.chunk, 16), d.chunk)
+    block_n = _tile(64, d.dstate, 16)
+    grid = ((d.chunk // block) ** 2, d.batch * d.nchunks, d.ngroups)
+    _chunk_cb_kernel[grid](C, B, CB, d.seqlen, d.nchunks, d.ngroups, d.dstate, CHUNK=d.chunk,
+                           DOT_PRECISION=_dot_precision(B), BLOCK_M=block, BLOCK_S=block, BLOCK_N=block_n,
+                           num_warps=4)
+
+
+def _dims_bc(B, chunk_size):
+    if len(T.shape(B)) != 4:
+        raise ValueError(f"B: expected [batch, seqlen, ngroups, dstate], got shape {T.shape(B)}")
+    batch, seqlen, ngroups, dstate = T.shape(B)
+    chunk = check_chunk_size(chunk_size)
+    return _Dims(batch, seqlen, 0, 0, ngroups, dstate, chunk, nchunks_of(seqlen, chunk))
+
+
+def _tuned(config, d: _Dims) -> bool:
+    return config is None and not INTERPRETING and d.batch * d.nchunks * d.nheads >= TUNE_MIN_PROGRAMS
+
+
+def _launch_chunk_state(x, B, dt_out, dA_cumsum, seq_idx, states, final_states, positions, states_at, d: _Dims,
+                        config: Optional[SSDConfig]):
+    ncols = d.nchunks if positions is None else T.shape(positions)[0]
+    if positions is None and _tuned(config, d):
+        grid = lambda meta: (triton.cdiv(d.headdim, meta["BLOCK_P"]) * triton.cdiv(d.dstate, meta["BLOCK_N"]),  # noqa
+                             d.batch * ncols, d.nheads)
+        _chunk_state_tuned[grid](x, B, dt_out, dA_cumsum, seq_idx, states, final_states, None, None, d.seqlen,
+                                 d.nheads, d.headdim, d.ngroups, d.dstate, d.nchunks, ncols, CHUNK=d.chunk,
+                                 HAS_SEQ=seq_idx is not None, AT_POSITIONS=False, DOT_PRECISION=_dot_precision(x))
+        return
+    config = config or DEFAULT_CONFIG
+    block_p = _tile(config.state_block_p, d.headdim, 16)
+    block_n = _tile(config.state_block_n, d.dstate, 16)
+    block_k = min(_tile(config.state_block_k, d.chunk, 16), d.chunk)
+    grid = (triton.cdiv(d.headdim, block_p) * triton.cdiv(d.dstate, block_n), d.batch * ncols, d.nheads)
+    _chunk_state_kernel[grid](x, B, dt_out, dA_cumsum, seq_idx, states, final_states, positions, states_at,
+                              d.seqlen, d.nheads, d.headdim, d.ngroups, d.dstate, d.nchunks, ncols, CHUNK=d.chunk,
+                              HAS_SEQ=seq_idx is not None, AT_POSITIONS=positions is not None,
+                              DOT_PRECISION=_dot_precision(x), BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_K=block_k,
+                              num_warps=config.state_warps, num_stages=config.state_stages)
+
+
+def _check_common(x, dt, A, B, C, dt_out, dA_cumsum, states, seq_idx, chunk_size):
+    d = _dims(x, B, chunk_size)
+    _expect("x", x, (d.batch, d.seqlen, d.nheads, d.headdim))
+    _expect("dt", dt, (d.batch, d.seqlen, d.nheads))
+    _expect("A", A, (d.nheads,))
+    _expect("B", B, (d.batch, d.seqlen, d.ngroups, d.dstate))
+    _expect("C", C, (d.batch, d.seqlen, d.ngroups, d.dstate))
+    if C is not None and T.dtype_name(C) != T.dtype_name(B):
+        raise TypeError(f"C: expected B's dtype {T.dtype_name(B)}, got {T.dtype_name(C)}")
+    _expect("seq_idx", seq_idx, (d.batch, d.seqlen), ("int32", "int64"))
+    shapes = buffer_shapes(d.batch, d.seqlen, d.nheads, d.headdim, d.ngroups, d.dstate, d.chunk)
+    for name, t in (("dt_out", dt_out), ("dA_cumsum", dA_cumsum), ("states", states)):
+        _expect(name, t, shapes[name], ("float32",))
+    return d
+
+
+def ssd_chunked_fwd(x, dt, A, B, C, out, dt_out, dA_cumsum, states, CB, final_states, *, chunk_size, D=None, z=None,
+                    out_x=None, dt_bias=None, initial_states=None, seq_idx=None, dt_softplus=False,
+                    dt_limit=(0.0, math.inf), config: Optional[SSDConfig] = None) -> None:
+    """The whole forward (stages 1-5), writing out [b, l, h, p] (x's dtype), out_x (with z: y before
+    the gate), and the fp32 buffers dt_out, dA_cumsum, states, CB, final_states (shapes from
+    ``buffer_shapes``). ``seq_idx`` holds run ids (see the module docstring)."""
+    d = _check_common(x, dt, A, B, C, dt_out, dA_cumsum, states, seq_idx, chunk_size)
+    explicit, config = config, config or DEFAULT_CONFIG
+    shapes = buffer_shapes(d.batch, d.seqlen, d.nheads, d.headdim, d.ngroups, d.dstate, d.chunk)
+    _expect("CB", CB, shapes["CB"], ("float32",))
+    _expect("final_states", final_states, shapes["final_states"], ("float32",))
+    _expect("initial_states", initial_states, shapes["final_states"])
+    x_shape = (d.batch, d.seqlen, d.nheads, d.headdim)
+    _expect("out", out, x_shape, (T.dtype_name(x),))
+    _expect("z", z, x_shape)
+    if (z is None) != (out_x is None):
+        raise ValueError("out_x: give it exactly when z is given (y before the gate)")
+    _expect("out_x", out_x, x_shape, (T.dtype_name(x),))
+    if D is not None and T.shape(D) not in ((d.nheads,), (d.nheads, d.headdim)):
+        raise ValueError(f"D: expected [nheads={d.nheads}] or [nheads, headdim={d.headdim}], got {T.shape(D)}")
+    _expect("D", D, T.shape(D) if D is not None else None)
+
+    ssd_chunk_cumsum(dt, A, dt_out, dA_cumsum, chunk_size=d.chunk, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                     dt_limit=dt_limit, config=config)
+    ssd_chunk_cb(C, B, CB, chunk_size=d.chunk, config=config)
+    if config.fuse_state_passing:
+        block_p = _tile(config.fused_block_p, d.headdim, 16)
+        block_n = _tile(config.fused_block_n, d.dstate, 16)
+        grid = (triton.cdiv(d.headdim, block_p) * triton.cdiv(d.dstate, block_n), d.batch, d.nheads)
+        _fused_state_passing_kernel[grid](
+            x, B, dt_out, dA_cumsum, seq_idx, initial_states, states, final_states, d.seqlen, d.nheads, d.headdim,
+            d.ngroups, d.dstate, d.nchunks, CHUNK=d.chunk, HAS_INIT=initial_states is not None,
+            HAS_SEQ=seq_idx is not None, DOT_PRECISION=_dot_precision(x), BLOCK_P=block_p, BLOCK_N=block_n,
+            BLOCK_K=min(_tile(config.state_block_k, d.chunk, 16), d.chunk), num_warps=config.state_warps,
+            num_stages=config.state_stages)
+    else:
+        _launch_chunk_state(x, B, dt_out, dA_cumsum, seq_idx, states, final_states, None, None, d, explicit)
+        state_size = d.headdim * d.dstate
+        block = _tile(config.pass_block, state_size, 1) if not INTERPRETING else triton.next_power_of_2(state_size)
+        _state_passing_kernel[(triton.cdiv(state_size, block), d.batch, d.nheads)](
+            states, final_states, initial_states, dA_cumsum, seq_idx, d.seqlen, d.nheads, d.nchunks, state_size,
+            CHUNK=d.chunk, HAS_INIT=initial_states is not None, HAS_SEQ=seq_idx is not None, BLOCK=block,
+            num_warps=4)
+    scan_args = (x, B, C, CB, dt_out, dA_cumsum, states, seq_idx, D, z, out, out_x, d.seqlen, d.nheads, d.headdim,
+                 d.ngroups, d.dstate, d.nchunks)
+    scan_options = dict(CHUNK=d.chunk, HAS_SEQ=seq_idx is not None, HAS_D=D is not None,
+                        D_PER_DIM=D is not None and len(T.shape(D)) == 2, HAS_Z=z is not None,
+                        DOT_PRECISION=_dot_precision(x),
+                        SPLIT_SCORES=config.split_scores and T.dtype_name(x) == "bfloat16")
+    if _tuned(explicit, d):
+        grid = lambda meta: ((d.chunk // meta["BLOCK_M"]) * triton.cdiv(d.headdim, meta["BLOCK_P"]),  # noqa: E731
+                             d.batch * d.nchunks, d.nheads)
+        _chunk_scan_tuned[grid](*scan_args, **scan_options)
+        return
+    block_m = min(_tile(config.scan_block_m, d.chunk, 16), d.chunk)
+    block_p = _tile(config.scan_block_p, d.headdim, 16)
+    block_k = min(_tile(config.scan_block_k, d.chunk, 16), block_m)
+    recompute_cb = config.recompute_cb and d.dstate <= _RECOMPUTE_CB_MAX_DSTATE
+    block_n = triton.next_power_of_2(max(d.dstate, 16)) if recompute_cb else _tile(config.scan_block_n, d.dstate, 16)
+    grid = ((d.chunk // block_m) * triton.cdiv(d.headdim, block_p), d.batch * d.nchunks, d.nheads)
+    _chunk_scan_kernel[grid](*scan_args, **scan_options, RECOMPUTE_CB=recompute_cb, BLOCK_M=block_m,
+                             BLOCK_P=block_p, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=config.scan_warps,
+                             num_stages=config.scan_stages)
+
+
+def ssd_states_at(x, dt, A, B, dt_out, dA_cumsum, states, positions, states_at, *, chunk_size, seq_idx=None,
+                  config: Optional[SSDConfig] = None) -> None:
+    """states_at [b, npos, h, p, n] (fp32) = the state right after token ``positions[i]`` (int
+    [npos], each < seqlen), from the forward's dt_out, dA_cumsum and entering states."""
+    config = config or DEFAULT_CONFIG
+    d = _check_common(x, dt, A, B, None, dt_out, dA_cumsum, states, seq_idx, chunk_size)
+    if len(T.shape(positions)) != 1:
+        raise ValueError(f"positions: expected [npos], got shape {T.shape(positions)}")
+    _expect("positions", positions, T.shape(positions), ("int32", "int64"))
+    _expect("states_at", states_at, (d.batch, T.shape(positions)[0], d.nheads, d.headdim, d.dstate), ("float32",))
+    if T.shape(positions)[0]:
+        _launch_chunk_state(x, B, dt_out, dA_cumsum, seq_idx, states, None, positions, states_at, d, config)
+
+
+def compile_cases():
+    """The canonical bf16 case (D; autotuned) and fp16/fp32 at a quarter of it (fixed tiles), z + D
+    [h, p] + seq_idx + initial states + limits at an odd shape, the fused stages 3+4, and the
+    positions kernel."""
+    S = T.SpecTensor
+    for dtype, (batch, seqlen, nheads, headdim, ngroups, dstate, chunk), extras in (
+            ("bfloat16", (4, 4096, 64, 128, 1, 128, 256), False),  # autotuned: every config
+            ("float16", (1, 1024, 64, 128, 1, 128, 256), False),   # below TUNE_MIN_PROGRAMS: SSDConfig's tiles
+            ("float32", (1, 1024, 64, 128, 1, 128, 256), False),
+            ("bfloat16", (2, 1000, 6, 40, 3, 24, 64), True)):
+        x, out = S((batch, seqlen, nheads, headdim), dtype), S((batch, seqlen, nheads, headdim), dtype)
+        dt, A = S((batch, seqlen, nheads), dtype), S((nheads,), "float32")
+        B, C = S((batch, seqlen, ngroups, dstate), dtype), S((batch, seqlen, ngroups, dstate), dtype)
+        buf = {k: S(v, "float32") for k, v in buffer_shapes(batch, seqlen, nheads, headdim, ngroups, dstate,
+                                                              chunk).items()}
+        kw = dict(chunk_size=chunk, D=S((nheads,), "float32"))
+        if extras:
+            kw.update(D=S((nheads, headdim), "float32"), z=S(x.shape, dtype), out_x=S(x.shape, dtype),
+                      dt_bias=S((nheads,), "float32"), initial_states=S(buf["final_states"].shape, "float32"),
+                      seq_idx=S((batch, seqlen), "int32"), dt_softplus=True, dt_limit=(0.01, 10.0))
+        args = (x, dt, A, B, C, out, buf["dt_out"], buf["dA_cumsum"], buf["states"], buf["CB"], buf["final_states"])
+        yield f"ssd_chunked_fwd[{dtype},{'extras' if extras else 'canonical'}]", \
+            lambda a=args, k=kw: ssd_chunked_fwd(*a, **k)
+        if dtype == "bfloat16":
+            yield f"ssd_chunked_fwd[{dtype},{'extras' if extras else 'canonical'},fused]", \
+                lambda a=args, k=kw: ssd_chunked_fwd(*a, **k, config=SSDConfig(fuse_state_passing=True))
+        if extras:
+            pos, at = S((5,), "int64"), S((batch, 5, nheads, headdim, dstate), "float32")
+            yield f"ssd_states_at[{dtype}]", lambda a=args, p=pos, s=at, q=kw["seq_idx"]: ssd_states_at(
+                a[0], a[1], a[2], a[3], a[6], a[7], a[8], p, s, chunk_size=chunk, seq_idx=q)

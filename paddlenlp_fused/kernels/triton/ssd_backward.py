@@ -1,0 +1,631 @@
+"""Mamba-2 SSD (state-space duality) chunked scan: the backward kernels.
+
+Forward (see ``reference/ssd.py``, the spec), per batch b, head h (group g = h // (nheads/ngroups)),
+chunk c of K = chunk_size tokens, cs = dA_cumsum (inclusive cumsum of dt*A inside the chunk), S_c
+the state entering chunk c [headdim, dstate]:
+
+    y_t   = sum_{s<=t, same run} CB_ts exp(cs_t - cs_s) dt_s x_s      (intra-chunk)
+          + [t in the run entering c] exp(cs_t) S_c C_t                (inter-chunk)
+          + D x_t                  ;  out = y * silu(z) when z is given (out_x = y)
+    S_c+1 = carry_c S_c + sum_{s in the run ending c} exp(cs_end - cs_s) dt_s x_s B_s^T
+    carry_c = exp(cs_end) when chunk c ends in the run that entered it, else 0
+
+"Runs" are the stretches of equal ``seq_idx``; the kernels number them inside each chunk, counting
+the changes since the token before the chunk (run 0 = the run entering the chunk), so any seq_idx
+values work, as in the reference.
+
+Backward stages (one launch each, in order):
+
+1. ``_gate_bwd_kernel`` (only with z): dz, and dy = dout * silu(z) into the ``dy`` workspace.
+2. ``_prep_kernel``: per chunk, the run numbers (with seq_idx) and a zeroed ``ddA_cumsum`` workspace.
+3. ``_dstates_kernel``: G_c = sum_t [t in run entering c] exp(cs_t) dy_t C_t^T  [headdim, dstate].
+4. ``_state_passing_bwd_kernel``: reverse over chunks, dS_c = G_c + carry_c dS_c+1 (dS_nchunks =
+   dfinal_states); leaves dS_c+1 (the gradient of chunk c's end state) in the ``dstates`` workspace,
+   writes dinitial_states = dS_0, adds carry_c <dS_c+1, S_c> to d cs_end.
+5. ``_chunk_dx_kernel`` per (chunk, block of tokens s, head): dx, the part of d dt_s that multiplies
+   dt_s directly, the D gradient, and d cs from the intra, inter and chunk-state terms.
+6. ``_chunk_dbdc_kernel`` per (chunk, tile of (t, s) token blocks, group, split of its heads): dCB
+   summed over the heads of the group, then dC_t += dCB B_s, dB_s += dCB^T C_t; extra programs add
+   the inter-chunk dC (dy S_c) and chunk-state dB (x dS_c+1) terms.
+7. ``_dt_bwd_kernel``: d dt_out = direct part + A * reverse-cumsum(d cs) inside the chunk, dA, then
+   through the clip (zero gradient where clipped), softplus and dt_bias to ddt, ddt_bias.
+
+Shapes: x, z, dout, out_x, dx, dz ``[batch, seqlen, nheads, headdim]``; dt, ddt ``[batch, seqlen,
+nheads]``; A, dA, dt_bias, ddt_bias ``[nheads]``; B, C, dB, dC ``[batch, seqlen, ngroups, dstate]``;
+D, dD ``[nheads]`` or ``[nheads, headdim]``; initial/final states and their gradients ``[batch,
+nheads, headdim, dstate]``; seq_idx ``[batch, seqlen]`` int32/int64; dt_out, dA_cumsum ``[batch, nheads,
+nchunks, chunk_size]`` fp32; states ``[batch, nchunks, nheads, headdim, dstate]`` fp32; CB ``[batch,
+nchunks, ngroups, chunk_size, chunk_size]`` fp32 (CB[..., t, s] = C_t . B_s). Every tensor contiguous.
+
+Matrix products take operands in x's dtype (fp32 intermediates cast down, as on the forward) with
+fp32 accumulation; fp32 inputs use ``input_precision="tf32x3"`` (three tf32 products: fp32 accuracy on
+the tensor cores, where exact fp32 dots compile to huge unrolled FMA code). dA, dD, ddt_bias, dB, dC
+and the d cs workspace take atomic adds (the caller zeroes the first five), relaxed: pure accumulation
+needs no ordering, and the default acq_rel fences stall every program's memory traffic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+from ...runtime import tensor as T
+from .interpreter_compat import INTERPRETING, dot_operand
+
+_INT_DTYPES = ("int32", "int64")
+
+
+def workspace_shapes(batch: int, seqlen: int, nheads: int, headdim: int, dstate: int, chunk_size: int,
+                     has_z: bool, dout_dtype: str):
+    """The scratch ``ssd_chunked_bwd`` needs, as ``{name: (shape, dtype)}``; the caller allocates each
+    (contents need not be initialised) and passes the dict as ``workspace=``. ``dy`` only with z."""
+    nchunks = max(1, -(-seqlen // chunk_size))
+    shapes = {
+        "dstates": ((batch, nchunks, nheads, headdim, dstate), "float32"),
+        "ddA_cumsum": ((batch, nheads, nchunks, chunk_size), "float32"),
+        "ddt_direct": ((batch, nheads, nchunks, chunk_size), "float32"),
+        "runs": ((batch, nchunks, chunk_size), "int32"),
+    }
+    if has_z:
+        shapes["dy"] = ((batch, seqlen, nheads, headdim), dout_dtype)
+    return shapes
+
+
+@triton.jit
+def _cast(x, DTYPE: tl.constexpr):
+    """``x`` to DTYPE, rounding to nearest even (the interpreter's float->bf16 cast truncates: there
+    bf16 rounds by integer arithmetic on the fp32 bits, NaN kept NaN)."""
+    if INTERPRETING and DTYPE == tl.bfloat16:
+        x = x.to(tl.float32)
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        x = tl.where(x != x, 0x7FC0, rounded).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _mm(a, b, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """a @ b with operands cast to DOT_DTYPE, fp32 accumulation."""
+    return tl.dot(dot_operand(_cast(a, DOT_DTYPE)), dot_operand(_cast(b, DOT_DTYPE)), input_precision=PRECISION,
+                  out_dtype=tl.float32)
+
+
+@triton.jit
+def _sigmoid(v):
+    return 1.0 / (1.0 + tl.exp(-v))
+
+
+@triton.jit
+def _gate_bwd_kernel(dout_ptr, z_ptr, out_x_ptr, dz_ptr, dy_ptr, n_rows, P,
+                     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Rows = (batch, token, head), P = headdim: dy = dout silu(z), dz = dout out_x silu'(z)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_P)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < P)
+    offs = rows.to(tl.int64)[:, None] * P + cols[None, :]
+    dout = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(out_x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    sig = _sigmoid(z)
+    tl.store(dy_ptr + offs, _cast(dout * z * sig, dy_ptr.dtype.element_ty), mask=mask)
+    tl.store(dz_ptr + offs, _cast(dout * y * sig * (1.0 + z * (1.0 - sig)), dz_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _prep_kernel(seq_idx_ptr, runs_ptr, ddA_ptr, seqlen, nheads, nchunks, K,
+                 HAS_SEQ: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (chunk, batch): run numbers inside the chunk (changes of seq_idx since the token
+    before it; padded tokens stay in the last run) and zeros in d cs for every head."""
+    c = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    k = tl.arange(0, BLOCK_K)
+    in_chunk = k < K
+    if HAS_SEQ:
+        pos = c * K + k
+        cur_ok = in_chunk & (pos < seqlen) & (pos > 0)
+        cur = tl.load(seq_idx_ptr + b * seqlen + pos, mask=cur_ok, other=0)
+        prev = tl.load(seq_idx_ptr + b * seqlen + pos - 1, mask=cur_ok, other=0)
+        runs = tl.cumsum((cur != prev).to(tl.int32), axis=0)
+        tl.store(runs_ptr + (b * nchunks + c) * K + k, runs, mask=in_chunk)
+    zeros = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for h in range(nheads):
+        tl.store(ddA_ptr + ((b * nheads + h) * nchunks + c) * K + k, zeros, mask=in_chunk)
+
+
+@triton.jit
+def _token_info(dt_out_ptr, dA_cs_ptr, runs_ptr, b, h, c, t, seqlen, nheads, nchunks, K,
+                HAS_SEQ: tl.constexpr):
+    """For chunk tokens t [BLOCK]: valid, dt, cs, run number (0 without seq_idx) and, per chunk,
+    cs_end and the run of the chunk's last token."""
+    valid = (t < K) & (c * K + t < seqlen)
+    row = ((b * nheads + h) * nchunks + c) * K
+    dt = tl.load(dt_out_ptr + row + t, mask=valid, other=0.0).to(tl.float32)
+    cs = tl.load(dA_cs_ptr + row + t, mask=t < K, other=0.0).to(tl.float32)
+    cs_end = tl.load(dA_cs_ptr + row + K - 1).to(tl.float32)
+    if HAS_SEQ:
+        run = tl.load(runs_ptr + (b * nchunks + c) * K + t, mask=t < K, other=-1)
+        run_end = tl.load(runs_ptr + (b * nchunks + c) * K + K - 1)
+    else:
+        run = tl.zeros(t.shape, dtype=tl.int32)
+        run_end = 0
+    return valid, dt, cs, cs_end, run, run_end
+
+
+@triton.jit
+def _dstates_kernel(dy_ptr, C_ptr, dt_out_ptr, dA_cs_ptr, runs_ptr, G_ptr,
+                    seqlen, nheads, ngroups, nchunks, K, P, N, heads_per_group,
+                    HAS_SEQ: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program (batch * chunk, P block * N block, head): G_c[p, n] = sum_t w_t dy_t[p] C_t[n] with
+    w_t = exp(cs_t) for the tokens of the run entering the chunk. Written to G_ptr [b, c, h, P, N]."""
+    n_pb = tl.cdiv(P, BLOCK_P)
+    pb = tl.program_id(1) % n_pb
+    nb = tl.program_id(1) // n_pb
+    b = (tl.program_id(0) // nchunks).to(tl.int64)
+    c = tl.program_id(0) % nchunks
+    h = tl.program_id(2)
+    g = h // heads_per_group
+    DOT_DTYPE = dy_ptr.dtype.element_ty
+    p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for t0 in range(0, K, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        valid, dt, cs, cs_end, run, run_end = _token_info(dt_out_ptr, dA_cs_ptr, runs_ptr, b, h, c, t, seqlen,
+                                                          nheads, nchunks, K, HAS_SEQ)
+        w = tl.where(valid & (run == 0), tl.exp(cs), 0.0)
+        tok = (b * seqlen + c * K + t).to(tl.int64)
+        dyT = tl.load(dy_ptr + (tok[None, :] * nheads + h) * P + p[:, None],
+                      mask=valid[None, :] & (p[:, None] < P), other=0.0)
+        Ct = tl.load(C_ptr + (tok[:, None] * ngroups + g) * N + n[None, :],
+                     mask=valid[:, None] & (n[None, :] < N), other=0.0).to(tl.float32)
+        acc += _mm(dyT, Ct * w[:, None], DOT_DTYPE, DOT_PRECISION)
+    out = ((b * nchunks + c) * nheads + h) * P * N
+    tl.store(G_ptr + out + p[:, None] * N + n[None, :], acc, mask=(p[:, None] < P) & (n[None, :] < N))
+
+
+@triton.jit
+def _state_passing_bwd_kernel(G_ptr, states_ptr, dA_cs_ptr, runs_ptr, dfinal_ptr, dinit_ptr, ddA_ptr,
+                              nheads, nchunks, K, PN,
+                              HAS_SEQ: tl.constexpr, HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr,
+                              BLOCK: tl.constexpr):
+    """Program (block of headdim*dstate, batch, head): reverse over chunks. Replaces G_c in place by
+    dS_c+1 (gradient of chunk c's end state) and adds carry_c <dS_c+1, S_c> to d cs_end."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    mask = i < PN
+    bh = (b * nheads + h) * PN
+    if HAS_DFINAL:
+        dS = tl.load(dfinal_ptr + bh + i, mask=mask, other=0.0).to(tl.float32)
+    else:
+        dS = tl.zeros([BLOCK], dtype=tl.float32)
+    head = (b * nchunks * nheads + h) * PN + i                                   # slot of chunk 0
+    step = tl.cast(nheads, tl.int64) * PN                                        # chunk to chunk
+    G_next = tl.load(G_ptr + head + (nchunks - 1) * step, mask=mask, other=0.0)
+    S_next = tl.load(states_ptr + head + (nchunks - 1) * step, mask=mask, other=0.0)
+    for k in range(nchunks):
+        c = nchunks - 1 - k
+        G = G_next
+        S = S_next.to(tl.float32)
+        # the next chunk's loads go out before this one's reduction and atomic (the loop is latency-bound)
+        more = mask & (c > 0)
+        G_next = tl.load(G_ptr + head + (c - 1) * step, mask=more, other=0.0)
+        S_next = tl.load(states_ptr + head + (c - 1) * step, mask=more, other=0.0)
+        tl.store(G_ptr + head + c * step, dS, mask=mask)
+        end = ((b * nheads + h) * nchunks + c) * K + K - 1
+        carry = tl.exp(tl.load(dA_cs_ptr + end).to(tl.float32))
+        if HAS_SEQ:
+            carry = tl.where(tl.load(runs_ptr + (b * nchunks + c) * K + K - 1) == 0, carry, 0.0)
+        tl.atomic_add(ddA_ptr + end, carry * tl.sum(dS * S, axis=0), sem="relaxed")
+        dS = G + carry * dS
+    if HAS_DINIT:
+        tl.store(dinit_ptr + bh + i, dS, mask=mask)
+
+
+@triton.jit
+def _chunk_dx_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, CB_ptr, dt_out_ptr, dA_cs_ptr, runs_ptr, states_ptr,
+                     dSn_ptr, D_ptr, dx_ptr, ddt_direct_ptr, ddA_ptr, dD_ptr,
+                     seqlen, nheads, ngroups, nchunks, K, P, N, heads_per_group,
+                     HAS_SEQ: tl.constexpr, HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
+                     BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
+    """Program (batch * chunk, block of tokens s, head), all of headdim:
+    dx_s = dt_s (sum_{t>=s} L_ts dy_t + e_s dS_c+1 B_s) + D dy_s with L_ts = CB_ts exp(cs_t - cs_s)
+    (same run) and e_s = exp(cs_end - cs_s) (s in the run ending the chunk); the bracket dotted with
+    x_s is the direct part of d dt_s. d cs: intra W_ts = L_ts dt_s <dy_t, x_s> (+ at t, - at s),
+    chunk-state Q_s = e_s dt_s <x_s, dS_c+1 B_s> (- at s, + at the end), inter exp(cs_s) <dy_s, S_c C_s>."""
+    b = (tl.program_id(0) // nchunks).to(tl.int64)
+    c = tl.program_id(0) % nchunks
+    sb = tl.program_id(1)
+    h = tl.program_id(2)
+    g = h // heads_per_group
+    DOT_DTYPE = x_ptr.dtype.element_ty
+    s = sb * BLOCK_S + tl.arange(0, BLOCK_S)
+    p = tl.arange(0, BLOCK_P)
+    valid_s, dt_s, cs_s, cs_end, run_s, run_end = _token_info(dt_out_ptr, dA_cs_ptr, runs_ptr, b, h, c, s, seqlen,
+                                                              nheads, nchunks, K, HAS_SEQ)
+    tok_s = (b * seqlen + c * K + s).to(tl.int64)
+    sp_mask = valid_s[:, None] & (p[None, :] < P)
+    xs_offs = (tok_s[:, None] * nheads + h) * P + p[None, :]
+    x_s = tl.load(x_ptr + xs_offs, mask=sp_mask, other=0.0)  # kept in the input dtype: registers are tight
+    dy_s = tl.load(dy_ptr + xs_offs, mask=sp_mask, other=0.0)
+    # states enter through [S, N] x [N, P] products, N in slices of BLOCK_N (whole [N, P] fp32 tiles spill)
+    state = ((b * nchunks + c) * nheads + h) * P * N
+    dSB = tl.zeros([BLOCK_S, BLOCK_P], dtype=tl.float32)                         # B_s dS_c+1^T
+    CS = tl.zeros([BLOCK_S, BLOCK_P], dtype=tl.float32)                          # C_s S_c^T
+    for n0 in range(0, N, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        sn_mask = valid_s[:, None] & (n[None, :] < N)
+        bc_offs = (tok_s[:, None] * ngroups + g) * N + n[None, :]
+        np_mask = (n[:, None] < N) & (p[None, :] < P)
+        np_offs = state + p[None, :] * N + n[:, None]
+        B_s = tl.load(B_ptr + bc_offs, mask=sn_mask, other=0.0)
+        dSnT = tl.load(dSn_ptr + np_offs, mask=np_mask, other=0.0)               # [N, P]
+        dSB += _mm(B_s, dSnT, DOT_DTYPE, DOT_PRECISION)
+        C_s = tl.load(C_ptr + bc_offs, mask=sn_mask, other=0.0)
+        ST = tl.load(states_ptr + np_offs, mask=np_mask, other=0.0)              # [N, P]
+        CS += _mm(C_s, ST, DOT_DTYPE, DOT_PRECISION)
+
+    # chunk-state term
+    e_s = tl.where(valid_s & (run_s == run_end), tl.exp(cs_end - cs_s), 0.0)
+    acc = dSB * e_s[:, None]
+    Q = dt_s * tl.sum(acc * x_s.to(tl.float32), axis=1)
+    ddA_s = -Q
+    ddA_end = tl.sum(Q, axis=0)
+
+    # inter-chunk term
+    w_in = tl.where(valid_s & (run_s == 0), tl.exp(cs_s), 0.0)
+    ddA_s += w_in * tl.sum(dy_s.to(tl.float32) * CS, axis=1)
+
+    # intra-chunk term, tokens t >= s
+    row = ((b * nheads + h) * nchunks + c) * K
+    cb_base = ((b * nchunks + c) * ngroups + g) * K * K
+    for t0 in range(sb * BLOCK_S, K, BLOCK_S):
+        t = t0 + tl.arange(0, BLOCK_S)
+        valid_t = (t < K) & (c * K + t < seqlen)
+        cs_t = tl.load(dA_cs_ptr + row + t, mask=t < K, other=0.0)
+        tok_t = (b * seqlen + c * K + t).to(tl.int64)
+        dy_t = tl.load(dy_ptr + (tok_t[:, None] * nheads + h) * P + p[None, :],
+                       mask=valid_t[:, None] & (p[None, :] < P), other=0.0)
+        keep = (t[None, :] >= s[:, None]) & valid_t[None, :] & valid_s[:, None]
+        if HAS_SEQ:
+            run_t = tl.load(runs_ptr + (b * nchunks + c) * K + t, mask=t < K, other=-1)
+            keep = keep & (run_t[None, :] == run_s[:, None])
+        CBT = tl.load(CB_ptr + cb_base + t[None, :] * K + s[:, None], mask=keep, other=0.0)   # [S, T]
+        LT = CBT * tl.exp(tl.where(keep, cs_t[None, :] - cs_s[:, None], float("-inf")))
+        acc += _mm(LT, dy_t, DOT_DTYPE, DOT_PRECISION)
+        dyx = _mm(x_s, tl.trans(dy_t), DOT_DTYPE, DOT_PRECISION)                # [S, T]
+        W = LT * dyx * dt_s[:, None]
+        ddA_s -= tl.sum(W, axis=1)
+        tl.atomic_add(ddA_ptr + row + t, tl.sum(W, axis=0), mask=t < K, sem="relaxed")
+
+    dx = acc * dt_s[:, None]
+    if HAS_D:  # dy_s loaded again rather than kept live through the loop (registers)
+        dy_s = tl.load(dy_ptr + xs_offs, mask=sp_mask, other=0.0)
+        if D_PER_CHANNEL:
+            Dv = tl.load(D_ptr + h * P + p, mask=p < P, other=0.0).to(tl.float32)
+            dx += Dv[None, :] * dy_s.to(tl.float32)
+            tl.atomic_add(dD_ptr + h * P + p, tl.sum(dy_s.to(tl.float32) * x_s.to(tl.float32), axis=0),
+                          mask=p < P, sem="relaxed")
+        else:
+            dx += tl.load(D_ptr + h).to(tl.float32) * dy_s.to(tl.float32)
+            dD_h = tl.sum(tl.sum(dy_s.to(tl.float32) * x_s.to(tl.float32), axis=1), axis=0)
+            tl.atomic_add(dD_ptr + h, dD_h, sem="relaxed")
+    tl.store(dx_ptr + xs_offs, _cast(dx, dx_ptr.dtype.element_ty), mask=sp_mask)
+    tl.store(ddt_direct_ptr + row + s, tl.sum(acc * x_s.to(tl.float32), axis=1), mask=s < K)
+    tl.atomic_add(ddA_ptr + row + s, ddA_s, mask=s < K, sem="relaxed")
+    tl.atomic_add(ddA_ptr + row + K - 1, ddA_end, sem="relaxed")
+
+
+@triton.jit
+def _chunk_dbdc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, dt_out_ptr, dA_cs_ptr, runs_ptr, states_ptr, dSn_ptr,
+                       dB_ptr, dC_ptr, seqlen, nheads, ngroups, nchunks, K, P, N, heads_per_group, heads_per_split,
+                       n_splits, HAS_SEQ: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
+                       BLOCK_N: tl.constexpr, SLICE_P: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program (batch * chunk, tile, group * split). Tiles (tb, sb) with sb <= tb of the nblk x nblk
+    token blocks: dCB_ts = sum_h [s<=t, same run] exp(cs_t - cs_s) dt_s <dy_t, x_s> over this split's
+    heads, then dC_t += dCB B_s and dB_s += dCB^T C_t. Tiles nblk*nblk + j: for token block j,
+    dC_t += exp(cs_t) dy_t S_c (run entering the chunk) and dB_s += e_s dt_s x_s dS_c+1 per head.
+    All added atomically into the fp32 dB, dC."""
+    nblk = tl.cdiv(K, BLOCK)
+    b = (tl.program_id(0) // nchunks).to(tl.int64)
+    c = tl.program_id(0) % nchunks
+    tile = tl.program_id(1)
+    g = tl.program_id(2) // n_splits
+    split = tl.program_id(2) % n_splits
+    h_begin = g * heads_per_group + split * heads_per_split
+    h_end = tl.minimum(h_begin + heads_per_split, (g + 1) * heads_per_group)
+    DOT_DTYPE = x_ptr.dtype.element_ty
+    p = tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    if tile < nblk * nblk:
+        tb = tile // nblk
+        sb = tile % nblk
+        if sb <= tb:
+            t = tb * BLOCK + tl.arange(0, BLOCK)
+            s = sb * BLOCK + tl.arange(0, BLOCK)
+            tok_t = (b * seqlen + c * K + t).to(tl.int64)
+            tok_s = (b * seqlen + c * K + s).to(tl.int64)
+            dCB = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
+            for h in range(h_begin, h_end):
+                valid_t, dt_t, cs_t, cs_end, run_t, run_end = _token_info(
+                    dt_out_ptr, dA_cs_ptr, runs_ptr, b, h, c, t, seqlen, nheads, nchunks, K, HAS_SEQ)
+                valid_s, dt_s, cs_s, cs_end, run_s, run_end = _token_info(
+                    dt_out_ptr, dA_cs_ptr, runs_ptr, b, h, c, s, seqlen, nheads, nchunks, K, HAS_SEQ)
+                keep = (t[:, None] >= s[None, :]) & valid_t[:, None] & valid_s[None, :] & \
+                    (run_t[:, None] == run_s[None, :])
+                dy_t = tl.load(dy_ptr + (tok_t[:, None] * nheads + h) * P + p[None, :],
+                               mask=valid_t[:, None] & (p[None, :] < P), other=0.0)
+                xT = tl.load(x_ptr + (tok_s[None, :] * nheads + h) * P + p[:, None],
+                             mask=valid_s[None, :] & (p[:, None] < P), other=0.0)
+                dyx = _mm(dy_t, xT, DOT_DTYPE, DOT_PRECISION)                  # [T, S]
+                decay = tl.exp(tl.where(keep, cs_t[:, None] - cs_s[None, :], float("-inf")))
+                dCB += dyx * decay * dt_s[None, :]
+            valid_t = (t < K) & (c * K + t < seqlen)
+            valid_s = (s < K) & (c * K + s < seqlen)
+            n_mask = n[None, :] < N
+            B_s = tl.load(B_ptr + (tok_s[:, None] * ngroups + g) * N + n[None, :],
+                          mask=valid_s[:, None] & n_mask, other=0.0)
+            C_t = tl.load(C_ptr + (tok_t[:, None] * ngroups + g) * N + n[None, :],
+                          mask=valid_t[:, None] & n_mask, other=0.0)
+            dC_t = _mm(dCB, B_s, DOT_DTYPE, DOT_PRECISION)
+            dB_s = _mm(tl.trans(dCB), C_t, DOT_DTYPE, DOT_PRECISION)
+            tl.atomic_add(dC_ptr + (tok_t[:, None] * ngroups + g) * N + n[None, :], dC_t,
+                          mask=valid_t[:, None] & n_mask, sem="relaxed")
+            tl.atomic_add(dB_ptr + (tok_s[:, None] * ngroups + g) * N + n[None, :], dB_s,
+                          mask=valid_s[:, None] & n_mask, sem="relaxed")
+    else:
+        t = (tile - nblk * nblk) * BLOCK + tl.arange(0, BLOCK)
+        tok = (b * seqlen + c * K + t).to(tl.int64)
+        dC_t = tl.zeros([BLOCK, BLOCK_N], dtype=tl.float32)
+        dB_t = tl.zeros([BLOCK, BLOCK_N], dtype=tl.float32)
+        for h in range(h_begin, h_end):
+            valid, dt, cs, cs_end, run, run_end = _token_info(
+                dt_out_ptr, dA_cs_ptr, runs_ptr, b, h, c, t, seqlen, nheads, nchunks, K, HAS_SEQ)
+            w_in = tl.where(valid & (run == 0), tl.exp(cs), 0.0)
+            w_end = tl.where(valid & (run == run_end), tl.exp(cs_end - cs), 0.0) * dt
+            state = ((b * nchunks + c) * nheads + h) * P * N
+            for p0 in range(0, P, SLICE_P):  # headdim in slices: whole [P, N] fp32 state tiles spill
+                q = p0 + tl.arange(0, SLICE_P)
+                tq_mask = valid[:, None] & (q[None, :] < P)
+                xt_offs = (tok[:, None] * nheads + h) * P + q[None, :]
+                dy_t = tl.load(dy_ptr + xt_offs, mask=tq_mask, other=0.0).to(tl.float32)
+                x_t = tl.load(x_ptr + xt_offs, mask=tq_mask, other=0.0).to(tl.float32)
+                qn_mask = (q[:, None] < P) & (n[None, :] < N)
+                S = tl.load(states_ptr + state + q[:, None] * N + n[None, :], mask=qn_mask, other=0.0)
+                dSn = tl.load(dSn_ptr + state + q[:, None] * N + n[None, :], mask=qn_mask, other=0.0)
+                dC_t += _mm(dy_t * w_in[:, None], S, DOT_DTYPE, DOT_PRECISION)
+                dB_t += _mm(x_t * w_end[:, None], dSn, DOT_DTYPE, DOT_PRECISION)
+        valid_t = (t < K) & (c * K + t < seqlen)
+        out = (tok[:, None] * ngroups + g) * N + n[None, :]
+        tn_mask = valid_t[:, None] & (n[None, :] < N)
+        tl.atomic_add(dC_ptr + out, dC_t, mask=tn_mask, sem="relaxed")
+        tl.atomic_add(dB_ptr + out, dB_t, mask=tn_mask, sem="relaxed")
+
+
+@triton.jit
+def _dt_bwd_kernel(dt_ptr, dt_bias_ptr, A_ptr, dt_out_ptr, ddt_direct_ptr, ddA_ptr, ddt_ptr, dA_ptr, ddt_bias_ptr,
+                   seqlen, nheads, nchunks, K, dt_min, dt_max,
+                   HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (chunk, batch, head): d dt_out_k = ddt_direct_k + A sum_{t>=k} d cs_t; dA += dt_out_k *
+    that sum; then back through the clip, softplus and bias to the raw dt."""
+    c = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    k = tl.arange(0, BLOCK_K)
+    in_chunk = k < K
+    valid = in_chunk & (c * K + k < seqlen)
+    row = ((b * nheads + h) * nchunks + c) * K
+    ddA = tl.load(ddA_ptr + row + k, mask=in_chunk, other=0.0)
+    r = tl.cumsum(ddA, axis=0, reverse=True) + 0.0  # + 0.0: a fresh array for the interpreter's atomics
+    dt_out = tl.load(dt_out_ptr + row + k, mask=valid, other=0.0)
+    A = tl.load(A_ptr + h).to(tl.float32)
+    tl.atomic_add(dA_ptr + h, tl.sum(dt_out * r, axis=0), sem="relaxed")
+    grad = tl.load(ddt_direct_ptr + row + k, mask=valid, other=0.0) + A * r
+    tok = (b * seqlen + c * K + k) * nheads + h
+    v = tl.load(dt_ptr + tok, mask=valid, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        v += tl.load(dt_bias_ptr + h).to(tl.float32)
+    if SOFTPLUS:  # F.softplus: linear above 20
+        processed = tl.where(v > 20.0, v, tl.log(1.0 + tl.exp(tl.minimum(v, 20.0))))
+        grad = grad * tl.where(v > 20.0, 1.0, _sigmoid(v))
+    else:
+        processed = v
+    if HAS_LIMIT:  # paddle.clip passes the gradient on [min, max]
+        grad = tl.where((processed >= dt_min) & (processed <= dt_max), grad, 0.0)
+    grad = tl.where(valid, grad, 0.0)
+    tl.store(ddt_ptr + tok, _cast(grad, ddt_ptr.dtype.element_ty), mask=valid)
+    if HAS_BIAS:
+        tl.atomic_add(ddt_bias_ptr + h, tl.sum(grad, axis=0), sem="relaxed")
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(max(int(n), 1)))
+
+
+def _check(name, t, expected, dtypes=None, optional=False):
+    if t is None:
+        if optional:
+            return
+        raise ValueError(f"{name}: required, got None")
+    T.check_same_shape(name, t, expected)
+    T.check_contiguous(name, t)
+    if dtypes is not None and T.dtype_name(t) not in dtypes:
+        raise TypeError(f"{name}: expected dtype in {dtypes}, got {T.dtype_name(t)}")
+
+
+# Launch configurations, None for the defaults below (the device sweep sets them): "dx" (BLOCK_S, num_warps,
+# num_stages); "dbdc" (BLOCK, heads per split, num_warps, num_stages); "dstates" (BLOCK_P, BLOCK_N, BLOCK_T,
+# num_warps, num_stages); "passing" (BLOCK, num_warps).
+TUNING = {"dx": None, "dbdc": None, "dstates": None, "passing": None}
+
+
+def _dx_config(K):
+    if TUNING["dx"] is not None:
+        return TUNING["dx"]
+    return min(_pow2(K), 64), 4, 1
+
+
+def _dbdc_config(K, P, heads_per_group, batch_chunks):
+    if TUNING["dbdc"] is not None:
+        return TUNING["dbdc"]
+    # all heads of a group in one program (fewest atomics) unless that leaves too few programs; the head
+    # loop pipelined 3 deep (2 past headdim 128, for shared memory)
+    per_split = heads_per_group if batch_chunks >= 32 else min(heads_per_group, 8)
+    return min(_pow2(K), 64), per_split, 8, 3 if _pow2(P) <= 128 else 2
+
+
+def _dstates_config(K, P, N):
+    if TUNING["dstates"] is not None:
+        return TUNING["dstates"]
+    return min(_pow2(P), 64), min(_pow2(N), 64), min(_pow2(K), 64), 4, 2
+
+
+def ssd_chunked_bwd(dout, x, dt, A, B, C, dt_out, dA_cumsum, states, CB, dx, ddt, dA, dB, dC, *, chunk_size,
+                    D=None, z=None, out_x=None, dt_bias=None, initial_states=None, seq_idx=None,
+                    dfinal_states=None, dD=None, dz=None, ddt_bias=None, dinitial_states=None,
+                    dt_softplus=False, dt_limit=(0.0, float("inf")), workspace=None) -> None:
+    """Gradients of the SSD chunked scan, written into the caller's buffers (shapes in the module
+    docstring): dx (x's dtype), ddt (dt's dtype), dz (z's dtype), dinitial_states (fp32, written when
+    given), and the fp32 atomically-accumulated dA, dB, dC, dD, ddt_bias, which the caller zeroes.
+    ``workspace``: the tensors of ``workspace_shapes(...)`` (allocated, uninitialised).
+    ``dinitial_states`` is the gradient of the state entering chunk 0 (initial_states or zeros)."""
+    batch, seqlen, nheads, headdim = T.shape(x)
+    K = int(chunk_size)
+    if K < 1:
+        raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
+    if len(T.shape(B)) != 4 or T.shape(B)[:2] != (batch, seqlen) or nheads % max(T.shape(B)[2], 1):
+        raise ValueError(f"B: expected [batch={batch}, seqlen={seqlen}, ngroups dividing {nheads}, dstate], "
+                         f"got {T.shape(B)}")
+    ngroups, dstate = T.shape(B)[2], T.shape(B)[3]
+    nchunks = max(1, -(-seqlen // K))
+    xs = (batch, seqlen, nheads, headdim)
+    bs = (batch, seqlen, ngroups, dstate)
+    hs = (batch, nheads, headdim, dstate)
+    cs_shape = (batch, nheads, nchunks, K)
+    for name, t, shape in (("dout", dout, xs), ("x", x, xs), ("dx", dx, xs), ("dt", dt, xs[:3]),
+                           ("ddt", ddt, xs[:3]), ("B", B, bs), ("C", C, bs), ("dB", dB, bs), ("dC", dC, bs),
+                           ("A", A, (nheads,)), ("dA", dA, (nheads,)), ("dt_out", dt_out, cs_shape),
+                           ("dA_cumsum", dA_cumsum, cs_shape), ("states", states, (batch, nchunks) + hs[1:]),
+                           ("CB", CB, (batch, nchunks, ngroups, K, K))):
+        _check(name, t, shape)
+    for name, t in (("dA", dA), ("dB", dB), ("dC", dC), ("dt_out", dt_out), ("dA_cumsum", dA_cumsum),
+                    ("states", states), ("CB", CB)):
+        if T.dtype_name(t) != "float32":
+            raise TypeError(f"{name}: expected float32, got {T.dtype_name(t)}")
+    if (z is None) != (dz is None) or (z is None) != (out_x is None):
+        raise ValueError("z, dz, out_x: give all three or none")
+    _check("z", z, xs, optional=True)
+    _check("dz", dz, xs, optional=True)
+    _check("out_x", out_x, xs, optional=True)
+    if (D is None) != (dD is None):
+        raise ValueError("D, dD: give both or neither")
+    if D is not None:
+        if T.shape(D) not in ((nheads,), (nheads, headdim)):
+            raise ValueError(f"D: expected [nheads={nheads}] or [nheads, headdim={headdim}], got {T.shape(D)}")
+        _check("dD", dD, T.shape(D), ("float32",))
+    if (dt_bias is None) != (ddt_bias is None):
+        raise ValueError("dt_bias, ddt_bias: give both or neither")
+    _check("dt_bias", dt_bias, (nheads,), optional=True)
+    _check("ddt_bias", ddt_bias, (nheads,), ("float32",), optional=True)
+    _check("initial_states", initial_states, hs, optional=True)
+    _check("dinitial_states", dinitial_states, hs, ("float32",), optional=True)
+    _check("dfinal_states", dfinal_states, hs, optional=True)
+    _check("seq_idx", seq_idx, (batch, seqlen), _INT_DTYPES, optional=True)
+    lo, hi = (float(v) for v in dt_limit)
+    if workspace is None:
+        raise ValueError("workspace: expected the dict of tensors described by workspace_shapes(...), got None")
+    for name, (shape, dtype) in workspace_shapes(batch, seqlen, nheads, headdim, dstate, K, z is not None,
+                                                 T.dtype_name(dout)).items():
+        _check(f"workspace[{name!r}]", workspace.get(name), shape, (dtype,))
+    if batch == 0 or seqlen == 0 or nheads == 0 or headdim == 0 or dstate == 0:
+        return
+
+    G = workspace["dstates"]
+    ddA = workspace["ddA_cumsum"]
+    ddt_direct = workspace["ddt_direct"]
+    runs = workspace["runs"]
+    heads_per_group = nheads // ngroups
+    has_seq = seq_idx is not None
+    precision = "tf32x3" if T.dtype_name(x) == "float32" else "tf32"
+    P, N = headdim, dstate
+    BP, BN, BK = _pow2(P), _pow2(N), _pow2(K)
+
+    dy = dout
+    if z is not None:
+        dy = workspace["dy"]
+        rows = batch * seqlen * nheads
+        block_r = max(1, 4096 // BP)
+        _gate_bwd_kernel[(triton.cdiv(rows, block_r),)](dout, z, out_x, dz, dy, rows, P,
+                                                        BLOCK_R=block_r, BLOCK_P=BP, num_warps=4)
+
+    _prep_kernel[(nchunks, batch)](seq_idx, runs, ddA, seqlen, nheads, nchunks, K,
+                                   HAS_SEQ=has_seq, BLOCK_K=BK, num_warps=4)
+
+    bp, bn, bt, warps, stages = _dstates_config(K, P, N)
+    _dstates_kernel[(batch * nchunks, triton.cdiv(P, bp) * triton.cdiv(N, bn), nheads)](
+        dy, C, dt_out, dA_cumsum, runs, G, seqlen, nheads, ngroups, nchunks, K, P, N, heads_per_group,
+        HAS_SEQ=has_seq, BLOCK_P=bp, BLOCK_N=bn, BLOCK_T=bt, DOT_PRECISION=precision,
+        num_warps=warps, num_stages=stages)
+
+    block, warps = TUNING["passing"] or (512, 4)
+    _state_passing_bwd_kernel[(triton.cdiv(P * N, block), batch, nheads)](
+        G, states, dA_cumsum, runs, dfinal_states, dinitial_states, ddA, nheads, nchunks, K, P * N,
+        HAS_SEQ=has_seq, HAS_DFINAL=dfinal_states is not None, HAS_DINIT=dinitial_states is not None,
+        BLOCK=block, num_warps=warps)
+
+    bs_, warps, stages = _dx_config(K)
+    _chunk_dx_kernel[(batch * nchunks, triton.cdiv(K, bs_), nheads)](
+        x, dy, B, C, CB, dt_out, dA_cumsum, runs, states, G, D, dx, ddt_direct, ddA, dD,
+        seqlen, nheads, ngroups, nchunks, K, P, N, heads_per_group,
+        HAS_SEQ=has_seq, HAS_D=D is not None, D_PER_CHANNEL=D is not None and len(T.shape(D)) == 2,
+        BLOCK_S=bs_, BLOCK_P=BP, BLOCK_N=min(BN, 32), DOT_PRECISION=precision, num_warps=warps, num_stages=stages)
+
+    blk, per_split, warps, stages = _dbdc_config(K, P, heads_per_group, batch * nchunks)
+    per_split = min(per_split, heads_per_group)
+    n_splits = -(-heads_per_group // per_split)
+    nblk = triton.cdiv(K, blk)
+    _chunk_dbdc_kernel[(batch * nchunks, nblk * nblk + nblk, ngroups * n_splits)](
+        x, dy, B, C, dt_out, dA_cumsum, runs, states, G, dB, dC, seqlen, nheads, ngroups, nchunks, K, P, N,
+        heads_per_group, per_split, n_splits,
+        HAS_SEQ=has_seq, BLOCK=blk, BLOCK_P=BP, BLOCK_N=BN, SLICE_P=min(BP, 32), DOT_PRECISION=precision,
+        num_warps=warps, num_stages=stages)
+
+    _dt_bwd_kernel[(nchunks, batch, nheads)](
+        dt, dt_bias, A, dt_out, ddt_direct, ddA, ddt, dA, ddt_bias, seqlen, nheads, nchunks, K, lo, hi,
+        HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), HAS_LIMIT=lo > 0.0 or hi < math.inf,
+        BLOCK_K=BK, num_warps=4)
+
+
+def compile_cases():
+    """Compile-only cases: every dtype on the benchmark shape (chunk 256, headdim 128, dstate 128) with
+    all options, and an odd small shape (chunk 16, headdim 24, dstate 40, 2 groups) without options."""
+    cases = (("bench", 2, 512, 8, 128, 1, 128, 256, True), ("odd", 1, 37, 4, 24, 2, 40, 16, False))
+    for dtype in T.FLOAT_DTYPES:
+        for label, batch, seqlen, nheads, P, ngroups, N, K, full in cases:
+            nchunks = -(-seqlen // K)
+
+            def spec(shape, dt=dtype):
+                return T.SpecTensor(shape, dt)
+
+            xs, bs = (batch, seqlen, nheads, P), (batch, seqlen, ngroups, N)
+            hs = (batch, nheads, P, N)
+            f32 = "float32"
+            args = [spec(xs), spec(xs), spec(xs[:3]), spec((nheads,), f32), spec(bs), spec(bs),
+                    spec((batch, nheads, nchunks, K), f32), spec((batch, nheads, nchunks, K), f32),
+                    spec((batch, nchunks, nheads, P, N), f32), spec((batch, nchunks, ngroups, K, K), f32),
+                    spec(xs), spec(xs[:3]), spec((nheads,), f32), spec(bs, f32), spec(bs, f32)]
+            ws = {name: spec(shape, dt) for name, (shape, dt) in
+                  workspace_shapes(batch, seqlen, nheads, P, N, K, full, dtype).items()}
+            opts = {}
+            if full:
+                opts = dict(D=spec((nheads, P), f32), dD=spec((nheads, P), f32), z=spec(xs), dz=spec(xs),
+                            out_x=spec(xs), dt_bias=spec((nheads,), f32), ddt_bias=spec((nheads,), f32),
+                            initial_states=spec(hs, f32), dinitial_states=spec(hs, f32),
+                            dfinal_states=spec(hs, f32), seq_idx=spec((batch, seqlen), "int32"),
+                            dt_softplus=True, dt_limit=(0.001, 0.1))
+            yield f"ssd_chunked_bwd[{dtype},{label}]", \
+                lambda args=args, opts=opts, ws=ws, K=K: ssd_chunked_bwd(*args, chunk_size=K, workspace=ws, **opts)

@@ -1,0 +1,189 @@
+"""SSD backward launcher (Triton interpreter) against Paddle float64 autograd of ``ssd_chunked_ref``.
+
+The forward intermediates the launcher takes (processed dt, in-chunk cumsum of dt*A, the state
+entering each chunk, C.B^T per chunk, y before the gate) are built here in float64 numpy from the
+reference's math, then cast to what the forward saves (fp32, out_x in x's dtype). Every gradient
+buffer is poisoned (NaN) or, for the atomically accumulated ones, zeroed as the contract says.
+"""
+
+import math
+
+import numpy as np
+import paddle
+import pytest
+
+from paddlenlp_fused.kernels.triton.ssd_backward import ssd_chunked_bwd, workspace_shapes
+from paddlenlp_fused.reference.ssd import segment_ids, ssd_chunked_ref
+from paddlenlp_fused.runtime.triton_paddle import triton_args
+from paddlenlp_fused.testing.numerics import assert_close, rel_err
+from helpers import to64
+
+
+def _process_dt64(dt, dt_bias, softplus, limit):
+    v = dt + (dt_bias if dt_bias is not None else 0.0)
+    if softplus:
+        v = np.where(v > 20.0, v, np.log1p(np.exp(np.minimum(v, 20.0))))
+    lo, hi = limit
+    if lo > 0.0 or hi < math.inf:
+        v = np.clip(v, lo, hi)
+    return v
+
+
+def build_intermediates(x, dt, A, B, C, K, dt_bias, initial_states, seg, softplus, limit):
+    """float64 numpy: dt_out, dA_cumsum [b, h, nc, K]; states [b, nc, h, P, N]; CB [b, nc, g, K, K]."""
+    batch, seqlen, nheads, P = x.shape
+    ngroups, N = B.shape[2], B.shape[3]
+    nc = -(-seqlen // K)
+    pad = nc * K - seqlen
+    dtp = np.pad(_process_dt64(dt, dt_bias, softplus, limit), ((0, 0), (0, pad), (0, 0)))
+    xp = np.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    Bp = np.pad(B, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    Cp = np.pad(C, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    segp = np.zeros((batch, nc * K), np.int64) if seg is None else np.pad(seg, ((0, 0), (0, pad)), mode="edge")
+    dt_out = dtp.reshape(batch, nc, K, nheads).transpose(0, 3, 1, 2)
+    cs = np.cumsum(dt_out * A[None, :, None, None], axis=-1)
+    Bk, Ck = Bp.reshape(batch, nc, K, ngroups, N), Cp.reshape(batch, nc, K, ngroups, N)
+    CB = np.einsum("bctgn,bcsgn->bcgts", Ck, Bk)
+    Bh = np.repeat(Bk, nheads // ngroups, axis=3)                                   # [b, c, K, h, N]
+    xk = xp.reshape(batch, nc, K, nheads, P)
+    segk = segp.reshape(batch, nc, K)
+    S = np.zeros((batch, nheads, P, N)) if initial_states is None else initial_states.copy()
+    states = np.zeros((batch, nc, nheads, P, N))
+    prev = np.zeros(batch, np.int64)
+    for c in range(nc):
+        states[:, c] = S
+        end = segk[:, c, -1]
+        te = (segk[:, c] == end[:, None]).astype(np.float64)                         # [b, K]
+        w = np.exp(cs[:, :, c, -1:] - cs[:, :, c]) * dt_out[:, :, c] * te[:, None]   # [b, h, K]
+        chunk_state = np.einsum("bhs,bshp,bshn->bhpn", w, xk[:, c], Bh[:, c])
+        carry = np.exp(cs[:, :, c, -1]) * (end == prev)[:, None]
+        S = carry[:, :, None, None] * S + chunk_state
+        prev = end
+    return dt_out, cs, states, CB
+
+
+CASES = {
+    # name: dtype, (batch, seqlen, nheads, headdim, ngroups, dstate), chunk, options
+    "plain_fp32": ("float32", (2, 37, 4, 40, 2, 40), 16, {}),  # headdim, dstate in 2 slices
+    "all_options_fp32": ("float32", (2, 21, 4, 6, 1, 5), 8,
+                         dict(D="head", z=True, dt_bias=True, initial_states=True, dfinal=True, seq_idx=True,
+                              softplus=True, limit=(0.05, 1.0))),
+    "channel_D_bf16": ("bfloat16", (2, 40, 8, 16, 1, 16), 16,
+                       dict(D="channel", z=True, dt_bias=True, softplus=True, dfinal=True)),
+    "seq_fp16": ("float16", (1, 33, 8, 8, 2, 4), 4, dict(seq_idx=True, initial_states=True, D="head")),
+}
+
+
+def _rand(shape, scale=1.0):
+    return np.random.randn(*shape) * scale
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gradients_match_float64_autograd(case):
+    dtype, (batch, seqlen, nheads, P, ngroups, N), K, opt = CASES[case]
+    x = paddle.to_tensor(_rand((batch, seqlen, nheads, P))).astype(dtype)
+    dt = paddle.to_tensor(_rand((batch, seqlen, nheads), 0.5) + (0.0 if opt.get("softplus") else 0.7)).astype(dtype)
+    if not opt.get("softplus"):
+        dt = paddle.abs(dt.astype("float32")).astype(dtype)  # positive without softplus
+    A = paddle.to_tensor(-np.exp(_rand((nheads,), 0.5))).astype("float32")
+    B = paddle.to_tensor(_rand((batch, seqlen, ngroups, N))).astype(dtype)
+    C = paddle.to_tensor(_rand((batch, seqlen, ngroups, N))).astype(dtype)
+    D = {None: None, "head": _rand((nheads,)), "channel": _rand((nheads, P))}[opt.get("D")]
+    D = None if D is None else paddle.to_tensor(D).astype("float32")
+    z = paddle.to_tensor(_rand((batch, seqlen, nheads, P))).astype(dtype) if opt.get("z") else None
+    dt_bias = paddle.to_tensor(_rand((nheads,), 0.5)).astype("float32") if opt.get("dt_bias") else None
+    init = paddle.to_tensor(_rand((batch, nheads, P, N))).astype("float32") if opt.get("initial_states") else None
+    seq_idx = None
+    if opt.get("seq_idx"):  # values alternate 0/1: runs, not values, define the sequences
+        changes = np.random.rand(batch, seqlen) < 0.15
+        changes[:, 0] = False
+        seq_idx = paddle.to_tensor((np.cumsum(changes, axis=1) % 2).astype(np.int32))
+    softplus, limit = bool(opt.get("softplus")), opt.get("limit", (0.0, math.inf))
+    dout = paddle.to_tensor(_rand((batch, seqlen, nheads, P))).astype(dtype)
+    dfinal = paddle.to_tensor(_rand((batch, nheads, P, N))).astype("float32") if opt.get("dfinal") else None
+
+    # float64 reference and its gradients
+    leaves = {name: paddle.to_tensor(to64(t), stop_gradient=False) for name, t in
+              dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, initial_states=init).items() if t is not None}
+    y64, final64 = ssd_chunked_ref(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], K,
+                                   D=leaves.get("D"), z=leaves.get("z"), dt_bias=leaves.get("dt_bias"),
+                                   initial_states=leaves.get("initial_states"), seq_idx=seq_idx,
+                                   dt_softplus=softplus, dt_limit=limit)
+    loss = (y64 * paddle.to_tensor(to64(dout))).sum()
+    if dfinal is not None:
+        loss = loss + (final64 * paddle.to_tensor(to64(dfinal))).sum()
+    names = sorted(leaves)
+    ref_grads = dict(zip(names, paddle.grad(loss, [leaves[n] for n in names])))
+
+    # forward intermediates (float64 math, saved as the forward saves them)
+    n64 = {name: to64(t) for name, t in dict(x=x, dt=dt, A=A, B=B, C=C).items()}
+    seg = None if seq_idx is None else segment_ids(seq_idx, batch, seqlen).numpy()
+    dt_out, cs, states, CB = build_intermediates(
+        n64["x"], n64["dt"], n64["A"], n64["B"], n64["C"], K, None if dt_bias is None else to64(dt_bias),
+        None if init is None else to64(init), seg, softplus, limit)
+    f32 = lambda a: paddle.to_tensor(a.astype(np.float32))  # noqa: E731
+    out_x = None
+    if z is not None:
+        y_nogate, _ = ssd_chunked_ref(*(paddle.to_tensor(n64[k]) for k in "x dt A B C".split()), K,
+                                      D=None if D is None else paddle.to_tensor(to64(D)),
+                                      dt_bias=None if dt_bias is None else paddle.to_tensor(to64(dt_bias)),
+                                      initial_states=None if init is None else paddle.to_tensor(to64(init)),
+                                      seq_idx=seq_idx, dt_softplus=softplus, dt_limit=limit)
+        out_x = y_nogate.astype(dtype)
+
+    nan = lambda shape, dt_=dtype: paddle.full(shape, float("nan"), dtype=dt_)  # noqa: E731
+    zeros = lambda shape: paddle.zeros(shape, dtype="float32")  # noqa: E731
+    grads = dict(x=nan(x.shape), dt=nan(dt.shape), A=zeros([nheads]), B=zeros(B.shape), C=zeros(C.shape))
+    if D is not None:
+        grads["D"] = zeros(D.shape)
+    if z is not None:
+        grads["z"] = nan(z.shape)
+    if dt_bias is not None:
+        grads["dt_bias"] = zeros([nheads])
+    if init is not None:
+        grads["initial_states"] = nan(init.shape, "float32")
+    ws = {name: paddle.full(list(shape), -7 if dt_ == "int32" else float("nan"), dtype=dt_) for name, (shape, dt_)
+          in workspace_shapes(batch, seqlen, nheads, P, N, K, z is not None, dtype).items()}
+    ws_names = sorted(ws)
+    order = ["dout", "x", "dt", "A", "B", "C", "dt_out", "cs", "states", "CB", "gx", "gdt", "gA", "gB", "gC",
+             "D", "z", "out_x", "dt_bias", "init", "seq_idx", "dfinal", "gD", "gz", "gdt_bias", "ginit"]
+    tensors = dict(dout=dout, x=x, dt=dt, A=A, B=B, C=C, dt_out=f32(dt_out), cs=f32(cs), states=f32(states),
+                   CB=f32(CB), gx=grads["x"], gdt=grads["dt"], gA=grads["A"], gB=grads["B"], gC=grads["C"], D=D, z=z,
+                   out_x=out_x, dt_bias=dt_bias, init=init, seq_idx=seq_idx, dfinal=dfinal, gD=grads.get("D"),
+                   gz=grads.get("z"), gdt_bias=grads.get("dt_bias"), ginit=grads.get("initial_states"))
+    wrapped = triton_args(*[tensors[k] for k in order], *[ws[k] for k in ws_names])
+    a = dict(zip(order + ["ws_" + k for k in ws_names], wrapped))
+    ssd_chunked_bwd(a["dout"], a["x"], a["dt"], a["A"], a["B"], a["C"], a["dt_out"], a["cs"], a["states"], a["CB"],
+                    a["gx"], a["gdt"], a["gA"], a["gB"], a["gC"], chunk_size=K, D=a["D"], z=a["z"], out_x=a["out_x"],
+                    dt_bias=a["dt_bias"], initial_states=a["init"], seq_idx=a["seq_idx"], dfinal_states=a["dfinal"],
+                    dD=a["gD"], dz=a["gz"], ddt_bias=a["gdt_bias"], dinitial_states=a["ginit"],
+                    dt_softplus=softplus, dt_limit=limit, workspace={k: a["ws_" + k] for k in ws_names})
+
+    assert set(grads) == set(ref_grads)
+    failures = []
+    for name in names:
+        # float32 inputs: fp32 accumulation of exact products; others: products in the input dtype
+        check_dtype = dtype if name in ("x", "dt", "z") or dtype != "float32" else "float32"
+        try:
+            assert_close(f"d{name}", to64(grads[name]), ref_grads[name].numpy(), check_dtype)
+        except AssertionError as err:
+            failures.append(str(err))
+        print(name, rel_err(to64(grads[name]), ref_grads[name].numpy()))
+    assert not failures, "; ".join(failures)
+
+
+def test_bad_input_raises_clear_errors():
+    x, dt, A = paddle.zeros([1, 8, 2, 4]), paddle.zeros([1, 8, 2]), paddle.zeros([2])
+    cs, states, CB = paddle.zeros([1, 2, 2, 4]), paddle.zeros([1, 2, 2, 4, 4]), paddle.zeros([1, 2, 1, 4, 4])
+    B3 = paddle.zeros([1, 8, 3, 4])  # 3 groups do not divide 2 heads
+    with pytest.raises(ValueError, match="B: expected"):
+        ssd_chunked_bwd(x, x, dt, A, B3, B3, cs, cs, states, CB, x, dt, A, B3, B3, chunk_size=4)
+    B = paddle.zeros([1, 8, 1, 4])
+    with pytest.raises(ValueError, match="workspace"):
+        ssd_chunked_bwd(x, x, dt, A, B, B, cs, cs, states, CB, x, dt, A, B, B, chunk_size=4)
+    with pytest.raises(TypeError, match="CB: expected float32"):
+        ssd_chunked_bwd(x, x, dt, A, B, B, cs, cs, states, CB.astype("float64"), x, dt, A, B, B, chunk_size=4)
+    with pytest.raises(ValueError, match="dt_out: expected shape"):
+        ssd_chunked_bwd(x, x, dt, A, B, B, cs[:, :, :1], cs, states, CB, x, dt, A, B, B, chunk_size=4)
+    with pytest.raises(ValueError, match="z, dz, out_x"):
+        ssd_chunked_bwd(x, x, dt, A, B, B, cs, cs, states, CB, x, dt, A, B, B, chunk_size=4, z=x)
