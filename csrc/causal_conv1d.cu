@@ -26,6 +26,7 @@
 #include <cuda_fp16.h>
 
 #include "pnf.h"
+#include "pnf_convert.cuh"
 
 namespace {
 
@@ -70,19 +71,6 @@ struct ConvParams {
   int64_t sw_d, sw_k, ss_b, ss_l;
   int w_dtype, bias_dtype, init_dtype, seq_idx64, silu;
 };
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename E>
-__device__ __forceinline__ E from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 // One element of a tensor whose dtype is a run-time PnfDtype code.
 __device__ __forceinline__ float load_code(const void* p, int code, int64_t i) {

@@ -38,6 +38,7 @@
 #include <mutex>
 
 #include "pnf.h"
+#include "pnf_convert.cuh"
 
 namespace {
 
@@ -50,19 +51,6 @@ constexpr int kBwdStages = 2;     // rows staged in shared memory by the backwar
 constexpr int kBwdThreads = 512;
 constexpr int kStatThreads = 1024; // backward pre-pass for sliced rows (nothing held in registers)
 constexpr int kSumRows = 8;       // partial rows summed in parallel by the final reduction
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename E>
-__device__ __forceinline__ E from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 // Elements [col, col + VEC) of a row as floats; columns >= n read as 0. ALIGNED: one or two
 // 16-byte (or one 8-byte) accesses, valid when the row start is aligned and n % VEC == 0.

@@ -32,6 +32,7 @@
 #include <utility>
 
 #include "pnf.h"
+#include "pnf_convert.cuh"
 
 namespace {
 
@@ -51,19 +52,6 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr unsigned kFull = 0xffffffffu;
 
 static_assert(kSegment % kFwdItems == 0, "a forward lane's steps must not straddle a state interval");
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename E>
-__device__ __forceinline__ E from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 // Steps [t0, t0 + K) of a row as floats (0 at or past seqlen). VEC: the row is contiguous along l and
 // 16-byte aligned at t0, so whole steps load as 16-byte vectors.

@@ -28,18 +28,7 @@ _SIGNATURES = {
     "pnf_causal_conv1d_bwd": [_c_ptr] * 10 + [_c_i64] * 3 + [_c_int, _STRIDES] + [_c_int] * 6 + [_c_ptr],
     "pnf_causal_conv1d_update": [_c_ptr] * 6 + [_c_i64] * 4 + [_c_int, _UPDATE_STRIDES] + [_c_int] * 6 + [_c_ptr],
 }
-_bound = None
-
-
-def _lib():
-    global _bound
-    lib = library.get()
-    if _bound is not lib:
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, ctypes.c_int
-        _bound = lib
-    return lib
+_lib = library.bound(_SIGNATURES)
 
 
 def _ptr(t):

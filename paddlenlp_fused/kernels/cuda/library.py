@@ -59,6 +59,22 @@ def get() -> ctypes.CDLL:
     return lib
 
 
+def bound(signatures: dict):
+    """A getter of the loaded library with ``signatures`` ({entry point: argtypes}, each returning a
+    PnfStatus int) declared; it declares them again if the library is reloaded."""
+    declared = {"lib": None}
+
+    def get_declared() -> ctypes.CDLL:
+        lib = get()
+        if declared["lib"] is not lib:
+            for name, argtypes in signatures.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            declared["lib"] = lib
+        return lib
+    return get_declared
+
+
 def check(status: int, op: str) -> None:
     if status == 0:
         return

@@ -18,18 +18,7 @@ _SIGNATURES = {
     "pnf_norm_bwd_workspace": [_c_int, _c_i64, _c_i64] + [_c_int] * 3 + [ctypes.POINTER(_c_i64), ctypes.POINTER(_c_int)],
     "pnf_norm_bwd": [_c_ptr] * 12 + [_c_i64] * 8 + [_c_int] * 5 + [_c_float] + [_c_int] * 4 + [_c_ptr],
 }
-_bound = None
-
-
-def _lib():
-    global _bound
-    lib = library.get()
-    if _bound is not lib:
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, ctypes.c_int
-        _bound = lib
-    return lib
+_lib = library.bound(_SIGNATURES)
 
 
 def _ptr(t) -> int | None:

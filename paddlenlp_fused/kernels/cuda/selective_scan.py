@@ -25,18 +25,7 @@ _SIGNATURES = {
                               [_c_int] * 4 + [_c_ptr],
 }
 _NO_BC = (False, 1, (0,) * 5)  # the B/C layout of an absent tensor
-_bound = None
-
-
-def _lib():
-    global _bound
-    lib = library.get()
-    if _bound is not lib:
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, ctypes.c_int
-        _bound = lib
-    return lib
+_lib = library.bound(_SIGNATURES)
 
 
 class ScanPlan(NamedTuple):
