@@ -12,9 +12,10 @@ Shapes (``b`` batch, ``d`` dim, ``l`` seqlen, ``w`` width, any width >= 1):
     where x at a position of another sequence (``seq_idx``) counts as 0.
 
 Memory-bound: the forward reads x from DRAM once and writes out; the backward reads x and dout
-once, recomputes the pre-activations (at the w positions each dx needs), writes dx (and the initial
-states' gradient) and accumulates dweight/dbias in registers over a segment of positions, then adds
-them with one fp32 atomic per program, dim and tap.
+once, recomputes each pre-activation once (a thread holds runs of consecutive positions, so the
+shifts are its own registers), writes dx (and the initial states' gradient) and accumulates
+dweight/dbias in registers over the program's tile, then adds them with one fp32 atomic per program,
+dim and tap.
 
 Decoding (``causal_conv1d_update``): x [b, d] or [b, d, s] new tokens; conv_state [b, d, state_len >=
 w-1] holds the last inputs and is updated in place, either shifted (the last state_len inputs) or,
@@ -127,14 +128,12 @@ def _causal_conv1d_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_idx_ptr, init_ptr, out
 @triton.jit
 def _conv_grads(x_cols, init_cols, sid_row, do_cols, pos, mask_d, seqlen, s_x_l, s_i_k, s_si_l, s_do_l, taps,
                 bias, HAS_INIT: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, SILU: tl.constexpr, WIDTH: tl.constexpr):
-    """At the positions ``pos``: (dx, dpre, xs, sids) where dpre is the pre-activation gradient and
-    xs[k] / sids[k] the inputs at pos - (w-1) + k (k < w: the taps of dweight).
-    dx[t] = sum_s w[w-1-s] dpre[t + s] (same sequence), dpre[t] = dout[t] act'(pre[t]) (0 outside
-    0 <= t < seqlen), so the tiles at pos - (w-1) .. pos + w - 1 are loaded."""
+    """dx at the few positions ``pos`` (the initial states' gradient: positions -(w-1) .. -1), by shifted
+    loads: dx[t] = sum_s w[w-1-s] dpre[t + s] (same sequence), dpre[t] = dout[t] act'(pre[t]) (0
+    outside 0 <= t < seqlen), so the tiles at pos - (w-1) .. pos + w - 1 are loaded."""
     xs, sids = _shifted(x_cols, init_cols, sid_row, pos, mask_d, seqlen, s_x_l, s_i_k, s_si_l, 1 - WIDTH,
                         2 * WIDTH - 1, HAS_INIT, HAS_SEQ_IDX, WIDTH)
     dx = tl.zeros([mask_d.shape[0], pos.shape[0]], dtype=tl.float32)
-    dpre0 = dx
     for s in tl.static_range(WIDTH):
         at = pos + s
         dpre = tl.load(do_cols + at.to(tl.int64)[None, :] * s_do_l,
@@ -143,12 +142,57 @@ def _conv_grads(x_cols, init_cols, sid_row, do_cols, pos, mask_d, seqlen, s_x_l,
             pre = _preact(xs, sids, taps, bias, WIDTH - 1 + s, HAS_SEQ_IDX, WIDTH)
             sig = tl.sigmoid(pre)
             dpre = dpre * sig * (1.0 + pre * (1.0 - sig))
-        if s == 0:
-            dpre0 = dpre
         if HAS_SEQ_IDX:
             dpre = tl.where(sids[WIDTH - 1 + s] == sids[WIDTH - 1], dpre, 0.0)
         dx += taps[WIDTH - 1 - s] * dpre
-    return dx, dpre0, xs, sids
+    return dx
+
+
+@triton.jit
+def _unpack(t, LOG2_CHUNK: tl.constexpr):
+    """t [a, n, 2**LOG2_CHUNK] -> tuple of its 2**LOG2_CHUNK slices [a, n, 1] along the last axis, in
+    order. The chunk axis lies in one thread, so these are register renames (halving splits)."""
+    parts = (t,)
+    for level in tl.static_range(LOG2_CHUNK):
+        halves = ()
+        for i in tl.static_range(1 << level):
+            p = parts[i]
+            p = tl.permute(tl.reshape(p, [p.shape[0], p.shape[1], 2, p.shape[2] // 2]), (0, 1, 3, 2))
+            lo, hi = tl.split(p)
+            halves = halves + (lo, hi)
+        parts = halves
+    return parts
+
+
+@triton.jit
+def _pack(parts, LOG2_CHUNK: tl.constexpr):
+    """The inverse of ``_unpack``: a tuple of 2**LOG2_CHUNK [a, n, 1] -> [a, n, 2**LOG2_CHUNK]."""
+    for level in tl.static_range(LOG2_CHUNK):
+        pairs = ()
+        for i in tl.static_range(1 << (LOG2_CHUNK - 1 - level)):
+            p = tl.permute(tl.join(parts[2 * i], parts[2 * i + 1]), (0, 1, 3, 2))
+            pairs = pairs + (tl.reshape(p, [p.shape[0], p.shape[1], 2 * p.shape[3]]),)
+        parts = pairs
+    return parts[0]
+
+
+@triton.jit
+def _load_chunks(cols, init_cols, pos, mask_d, seqlen, s_l, s_i_k, HAS_INIT: tl.constexpr, WIDTH: tl.constexpr,
+                 LOG2_CHUNK: tl.constexpr):
+    """cols at ``pos`` [1, n, CHUNK] (mask_d [BLOCK_D, 1, 1]) as fp32, unpacked into CHUNK [BLOCK_D, n, 1]
+    tiles; negative positions read the initial states (zeros without them), 0 past seqlen."""
+    v = tl.load(cols + pos.to(tl.int64) * s_l, mask=mask_d & (pos >= 0) & (pos < seqlen), other=0.0).to(tl.float32)
+    if HAS_INIT:
+        v += tl.load(init_cols + (pos + WIDTH - 1).to(tl.int64) * s_i_k,
+                     mask=mask_d & (pos < 0) & (pos >= 1 - WIDTH), other=0.0).to(tl.float32)
+    return _unpack(v, LOG2_CHUNK)
+
+
+@triton.jit
+def _load_sid_chunks(sid_row, pos, seqlen, s_si_l, LOG2_CHUNK: tl.constexpr):
+    """Sequence ids at ``pos`` [1, n, CHUNK] (clamped as in ``_load_sid``), unpacked into [1, n, 1] tiles."""
+    clamped = tl.minimum(tl.maximum(pos, 0), seqlen - 1).to(tl.int64)
+    return _unpack(tl.load(sid_row + clamped * s_si_l).to(tl.int64), LOG2_CHUNK)
 
 
 @triton.jit
@@ -158,48 +202,94 @@ def _causal_conv1d_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_idx_ptr, init_ptr, dou
                               s_di_b, s_di_d, s_di_k,
                               WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
                               HAS_INIT: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr,
-                              BLOCK_L: tl.constexpr, SEGMENT: tl.constexpr, BLOCK_W: tl.constexpr):
+                              BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr, LOG2_CHUNK: tl.constexpr):
+    # A program owns BLOCK_L positions as BLOCK_L / CHUNK chunks of CHUNK consecutive positions, each
+    # chunk in one thread: the shifted inputs a position needs are that thread's registers (the chunks
+    # before/after supply the w-1 halo: two extra loads that hit L1), so each pre-activation and its
+    # silu' is computed once (CHUNK + w - 1 a chunk), and dweight/dbias are summed in registers and
+    # reduced across threads once a program (then one fp32 atomic per dim and tap).
+    CHUNK: tl.constexpr = 1 << LOG2_CHUNK
     pid_s = tl.program_id(0)
     b64 = tl.program_id(2).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d64 = d.to(tl.int64)
     mask_d = d < dim
-    x_cols = x_ptr + b64 * s_x_b + d64[:, None] * s_x_d
-    init_cols = init_ptr + b64 * s_i_b + d64[:, None] * s_i_d
     sid_row = seq_idx_ptr + b64 * s_si_b
-    do_cols = dout_ptr + b64 * s_do_b + d64[:, None] * s_do_d
-    dx_cols = dx_ptr + b64 * s_dx_b + d64[:, None] * s_dx_d
     taps = _load_taps(w_ptr, d64, mask_d, s_w_d, s_w_k, WIDTH)
     bias = tl.load(bias_ptr + d, mask=mask_d, other=0.0).to(tl.float32)[:, None] if HAS_BIAS else 0.0
-    ks = tl.arange(0, BLOCK_W)
-    if HAS_INIT:  # the first segment also owns the initial states: positions -(w-1) .. -1
+    if HAS_INIT:  # the first program also owns the initial states: positions -(w-1) .. -1
         if pid_s == 0:
-            ipos = ks - (WIDTH - 1)
-            dinit = _conv_grads(x_cols, init_cols, sid_row, do_cols, ipos, mask_d, seqlen, s_x_l, s_i_k, s_si_l,
-                                s_do_l, taps, bias, HAS_INIT, HAS_SEQ_IDX, SILU, WIDTH)[0]
+            ks = tl.arange(0, BLOCK_W)
+            dinit = _conv_grads(x_ptr + b64 * s_x_b + d64[:, None] * s_x_d,
+                                init_ptr + b64 * s_i_b + d64[:, None] * s_i_d, sid_row,
+                                dout_ptr + b64 * s_do_b + d64[:, None] * s_do_d, ks - (WIDTH - 1), mask_d, seqlen,
+                                s_x_l, s_i_k, s_si_l, s_do_l, taps, bias, HAS_INIT, HAS_SEQ_IDX, SILU, WIDTH)
             tl.store(dinit_ptr + b64 * s_di_b + d64[:, None] * s_di_d + ks.to(tl.int64)[None, :] * s_di_k,
                      dinit.to(dinit_ptr.dtype.element_ty), mask=mask_d[:, None] & (ks < WIDTH - 1)[None, :])
 
-    dw_acc = tl.zeros([BLOCK_D, BLOCK_W], dtype=tl.float32)
-    dbias_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for i in range(SEGMENT // BLOCK_L):
-        pos = pid_s * SEGMENT + i * BLOCK_L + tl.arange(0, BLOCK_L)
-        dx, dpre, xs, sids = _conv_grads(x_cols, init_cols, sid_row, do_cols, pos, mask_d, seqlen, s_x_l, s_i_k,
-                                         s_si_l, s_do_l, taps, bias, HAS_INIT, HAS_SEQ_IDX, SILU, WIDTH)
-        tl.store(dx_cols + pos.to(tl.int64)[None, :] * s_dx_l, dx.to(dx_ptr.dtype.element_ty),
-                 mask=mask_d[:, None] & (pos < seqlen)[None, :])
-        # dweight[k] += dpre[t] x[t - (w-1) + k] (same sequence); dpre is 0 past seqlen
-        for k in tl.static_range(WIDTH):
-            v = xs[k]
-            if HAS_SEQ_IDX:
-                v = tl.where(sids[k] == sids[WIDTH - 1], v, 0.0)
-            dw_acc += tl.where((ks == k)[None, :], tl.sum(dpre * v, axis=1)[:, None], 0.0)
-        dbias_acc += tl.sum(dpre, axis=1)
+    # 3-D tiles [BLOCK_D, chunks, CHUNK]
+    d3 = d64[:, None, None]
+    mask_d3 = mask_d[:, None, None]
+    taps3 = ()
+    for k in tl.static_range(WIDTH):
+        taps3 = taps3 + (taps[k][:, :, None],)
+    bias3 = bias[:, :, None] if HAS_BIAS else 0.0
+    pos = pid_s * BLOCK_L + (tl.arange(0, BLOCK_L // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :])[None, :, :]
+    x_cols = x_ptr + b64 * s_x_b + d3 * s_x_d
+    init_cols = init_ptr + b64 * s_i_b + d3 * s_i_d
+    do_cols = dout_ptr + b64 * s_do_b + d3 * s_do_d
+    # xs[CHUNK + q]: x at chunk offset q = -CHUNK .. 2 CHUNK - 1; douts[j]: dout at j = 0 .. 2 CHUNK - 1
+    xs = (_load_chunks(x_cols, init_cols, pos - CHUNK, mask_d3, seqlen, s_x_l, s_i_k, HAS_INIT, WIDTH, LOG2_CHUNK)
+          + _load_chunks(x_cols, init_cols, pos, mask_d3, seqlen, s_x_l, s_i_k, HAS_INIT, WIDTH, LOG2_CHUNK)
+          + _load_chunks(x_cols, init_cols, pos + CHUNK, mask_d3, seqlen, s_x_l, s_i_k, HAS_INIT, WIDTH, LOG2_CHUNK))
+    douts = (_load_chunks(do_cols, do_cols, pos, mask_d3, seqlen, s_do_l, 0, False, WIDTH, LOG2_CHUNK)
+             + _load_chunks(do_cols, do_cols, pos + CHUNK, mask_d3, seqlen, s_do_l, 0, False, WIDTH, LOG2_CHUNK))
+    if HAS_SEQ_IDX:
+        sids = (_load_sid_chunks(sid_row, pos - CHUNK, seqlen, s_si_l, LOG2_CHUNK)
+                + _load_sid_chunks(sid_row, pos, seqlen, s_si_l, LOG2_CHUNK)
+                + _load_sid_chunks(sid_row, pos + CHUNK, seqlen, s_si_l, LOG2_CHUNK))
+    else:
+        sids = xs  # unused
 
-    tl.atomic_add(dw_ptr + d64[:, None] * WIDTH + ks[None, :], dw_acc, mask=mask_d[:, None] & (ks < WIDTH)[None, :],
-                  sem="relaxed")
+    # dpre[j] = dout act'(pre) at chunk offsets j = 0 .. CHUNK + w - 2 (dout is 0 past seqlen)
+    dpres = ()
+    for j in tl.static_range(CHUNK + WIDTH - 1):
+        g = douts[j]
+        if SILU:
+            pre = _preact(xs, sids, taps3, bias3, CHUNK + j, HAS_SEQ_IDX, WIDTH)
+            sig = tl.sigmoid(pre)
+            g = g * sig * (1.0 + pre * (1.0 - sig))
+        dpres = dpres + (g,)
+
+    # dx[t] = sum_s w[w-1-s] dpre[t+s];  dweight[k] += dpre[t] x[t-(w-1)+k];  dbias += dpre[t] (same sequence)
+    dxs = ()
+    dws = ()
+    for k in tl.static_range(WIDTH):
+        dws = dws + (tl.zeros([BLOCK_D, BLOCK_L // CHUNK, 1], dtype=tl.float32),)
+    dbias = tl.zeros([BLOCK_D, BLOCK_L // CHUNK, 1], dtype=tl.float32)
+    for j in tl.static_range(CHUNK):
+        dx = taps3[WIDTH - 1] * dpres[j]
+        for s in tl.static_range(1, WIDTH):
+            g = dpres[j + s]
+            if HAS_SEQ_IDX:
+                g = tl.where(sids[CHUNK + j + s] == sids[CHUNK + j], g, 0.0)
+            dx += taps3[WIDTH - 1 - s] * g
+        dxs = dxs + (dx,)
+        new_dws = ()
+        for k in tl.static_range(WIDTH):
+            v = xs[CHUNK + j - (WIDTH - 1) + k]
+            if HAS_SEQ_IDX:
+                v = tl.where(sids[CHUNK + j - (WIDTH - 1) + k] == sids[CHUNK + j], v, 0.0)
+            new_dws = new_dws + (dws[k] + dpres[j] * v,)
+        dws = new_dws
+        dbias += dpres[j]
+    dx_cols = dx_ptr + b64 * s_dx_b + d3 * s_dx_d
+    tl.store(dx_cols + pos.to(tl.int64) * s_dx_l, _pack(dxs, LOG2_CHUNK).to(dx_ptr.dtype.element_ty),
+             mask=mask_d3 & (pos < seqlen))
+    for k in tl.static_range(WIDTH):
+        tl.atomic_add(dw_ptr + d64 * WIDTH + k, tl.sum(tl.sum(dws[k], axis=2), axis=1), mask=mask_d, sem="relaxed")
     if HAS_BIAS:
-        tl.atomic_add(dbias_ptr + d, dbias_acc, mask=mask_d, sem="relaxed")
+        tl.atomic_add(dbias_ptr + d, tl.sum(tl.sum(dbias, axis=2), axis=1), mask=mask_d, sem="relaxed")
 
 
 @triton.jit
@@ -281,33 +371,28 @@ def check_activation(activation):
 
 def tiles(x, dim: int, seqlen: int, width: int, backward: bool, block_d=None, block_l=None, segment=None,
           num_warps=None):
-    """(BLOCK_D, BLOCK_L, SEGMENT, BLOCK_W, num_warps). Channel-first x (seqlen contiguous): few dims
-    and a long run of positions a tile; otherwise (dim contiguous or any strides) the transpose.
-    The backward walks SEGMENT positions a program in tiles of BLOCK_L (its dweight/dbias atomics
-    are one per SEGMENT); the forward's program is one tile. Defaults from the H200 sweep at
+    """(BLOCK_D, BLOCK_L, BLOCK_W, CHUNK, num_warps); a program is one [BLOCK_D, BLOCK_L] tile, ``segment``
+    caps BLOCK_L. Channel-first x (seqlen contiguous): few dims and a long run of positions a tile;
+    otherwise (dim contiguous or any strides) the transpose. The backward's CHUNK (consecutive positions
+    a thread holds: 16 bytes of x, at least w - 1) divides BLOCK_L. Defaults from the H200 sweep at
     [8, 4096, 2048] bf16 (benchmarks/cases/causal_conv1d.py): channel-first forward tiles from 4 x 256
-    to 16 x 128 all time 0.108-0.114 ms; the backward is best with 512-position segments (0.395 ms,
-    2048: 0.405 ms). Channel-last: forward 0.121 ms, backward 1.21 ms with 128- as with 2048-position
-    segments (its per-tile dweight reductions across the positions' threads are the suspect)."""
+    to 16 x 128 all time 0.108-0.114 ms."""
     seq_major = T.strides(x)[2] == 1 or seqlen == 1
+    chunk = max(16 // T.itemsize(x), triton.next_power_of_2(max(width - 1, 1))) if backward else 1
     if seq_major:
-        block_d = block_d or min(4, triton.next_power_of_2(dim))
-        block_l = block_l or min(512 if not backward else 256, triton.next_power_of_2(seqlen))
-        default_segment = 512
+        block_d = block_d or min(2 if backward else 4, triton.next_power_of_2(dim))
+        block_l = block_l or min(1024 if backward else 512, triton.next_power_of_2(seqlen))
     else:
-        block_d = block_d or min(128, triton.next_power_of_2(dim))
-        block_l = block_l or min(16, triton.next_power_of_2(seqlen))
-        default_segment = 128
+        block_d = block_d or min(64 if backward else 128, triton.next_power_of_2(dim))
+        block_l = block_l or min(32 if backward else 16, triton.next_power_of_2(seqlen))
     if segment is not None:
         block_l = min(block_l, segment)
-    segment = segment or (max(block_l, min(default_segment, triton.next_power_of_2(seqlen))) if backward else block_l)
+    block_l = max(block_l, chunk)
     for name, value in (("block_d", block_d), ("block_l", block_l)):
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name}: expected a power of two, got {value}")
-    if segment % block_l:
-        raise ValueError(f"segment: expected a multiple of block_l={block_l}, got {segment}")
     warps = num_warps or max(1, min(4, block_d * block_l // 256))
-    return block_d, block_l, segment, triton.next_power_of_2(width), warps
+    return block_d, block_l, triton.next_power_of_2(width), chunk, warps
 
 
 def conv_args(x, weight, bias, seq_idx, initial_states):
@@ -358,7 +443,7 @@ def causal_conv1d_bwd(x, weight, dout, dx, dweight, bias=None, dbias=None, seq_i
                       num_warps=None) -> None:
     """Gradients of the conv. Written in place: dx [b, d, l] and dinitial_states [b, d, w-1] (when
     initial_states is given). Accumulated (+=, float32 contiguous, the caller zeroes them):
-    dweight [d, w] and dbias [d] (when bias is given). ``segment``: positions a program walks."""
+    dweight [d, w] and dbias [d] (when bias is given). ``segment``: at most that many positions a program."""
     silu = check_activation(activation)
     batch, dim, seqlen, width, si_st, init_st = conv_args(x, weight, bias, seq_idx, initial_states)
     T.check_same_shape("dout", dout, (batch, dim, seqlen))
@@ -379,16 +464,16 @@ def causal_conv1d_bwd(x, weight, dout, dx, dweight, bias=None, dbias=None, seq_i
         di_st = T.strides(dinitial_states)
     if batch * dim * seqlen == 0:
         return
-    block_d, block_l, segment, block_w, warps = tiles(x, dim, seqlen, width, True, block_d, block_l, segment,
-                                                      num_warps)
-    grid = (triton.cdiv(seqlen, segment), triton.cdiv(dim, block_d), batch)
+    block_d, block_l, block_w, chunk, warps = tiles(x, dim, seqlen, width, True, block_d, block_l, segment,
+                                                    num_warps)
+    grid = (triton.cdiv(seqlen, block_l), triton.cdiv(dim, block_d), batch)
     _causal_conv1d_bwd_kernel[grid](x, weight, _or(bias, x), _or(seq_idx, x), _or(initial_states, x), dout, dx,
                                     dweight, _or(dbias, x), _or(dinitial_states, x), dim, seqlen,
                                     *T.strides(x), *T.strides(weight), *si_st, *init_st, *T.strides(dout),
                                     *T.strides(dx), *di_st,
                                     WIDTH=width, HAS_BIAS=bias is not None, HAS_SEQ_IDX=seq_idx is not None,
                                     HAS_INIT=initial_states is not None, SILU=silu, BLOCK_D=block_d, BLOCK_L=block_l,
-                                    SEGMENT=segment, BLOCK_W=block_w, num_warps=warps)
+                                    BLOCK_W=block_w, LOG2_CHUNK=chunk.bit_length() - 1, num_warps=warps)
 
 
 def update_args(x, conv_state, weight, out, bias, cache_seqlens):
