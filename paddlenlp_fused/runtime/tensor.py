@@ -130,3 +130,16 @@ def device_kind(t) -> str:
     if place is not None and hasattr(place, "is_gpu_place"):
         return "gpu" if place.is_gpu_place() else "cpu"
     return "gpu" if getattr(t, "is_cuda", False) else "cpu"
+
+
+def row_stride(name: str, t, M: int, N: int) -> int:
+    """The row stride of t, an [M, N] matrix with a contiguous last axis (0 for None); reads its
+    layout once (a launcher's host time adds to the GPU's when the host is the slower)."""
+    if t is None:
+        return 0
+    dims, st = shape(t), strides(t)
+    if dims != (M, N):
+        raise ValueError(f"{name}: expected shape {(M, N)}, got {dims}")
+    if M and N > 1 and st[1] != 1:
+        raise ValueError(f"{name}: last axis must be contiguous, got strides {st}")
+    return st[0]

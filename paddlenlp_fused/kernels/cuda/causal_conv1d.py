@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 
 from ...runtime import tensor as T
-from ..triton.causal_conv1d import check_activation, conv_args, update_args
+from ..triton.causal_conv1d import check_activation, check_grad_buffers, conv_args, update_args
 from . import library
 
 MIN_WIDTH, MAX_WIDTH = 2, 4
@@ -85,19 +85,10 @@ def causal_conv1d_bwd(x, weight, dout, dx, dweight, bias=None, dbias=None, seq_i
     silu = check_activation(activation)
     batch, dim, seqlen, width = conv_args(x, weight, bias, seq_idx, initial_states)[:4]
     check_width(width)
-    T.check_same_shape("dout", dout, (batch, dim, seqlen))
-    T.check_same_shape("dx", dx, (batch, dim, seqlen))
+    check_grad_buffers(dout, dx, dweight, bias, dbias, batch, dim, seqlen, width)
     _check_same_dtype(x, (("dout", dout), ("dx", dx)))
-    for name, t, shape in (("dweight", dweight, (dim, width)), ("dbias", dbias, (dim,))):
-        if t is not None:
-            T.check_same_shape(name, t, shape)
-            T.check_contiguous(name, t)
-            if T.dtype_name(t) != "float32":
-                raise TypeError(f"{name}: expected a float32 accumulator, got {T.dtype_name(t)}")
     if dweight is None:
         raise ValueError("dweight: expected a float32 [dim, width] accumulator, got None")
-    if (bias is None) != (dbias is None):
-        raise ValueError("dbias: expected exactly when bias is given")
     if (initial_states is None) != (dinitial_states is None):
         raise ValueError("dinitial_states: expected exactly when initial_states is given")
     if dinitial_states is not None:

@@ -29,19 +29,6 @@ def _code(t, default: int = 0) -> int:
     return default if t is None else library.dtype_code(T.dtype_name(t))
 
 
-def _row_stride(name: str, t, M: int, N: int) -> int:
-    """The row stride of t, an [M, N] matrix with a contiguous last axis (0 for None); reads its
-    layout once (the launchers' host time adds to the GPU's when the host is the slower)."""
-    if t is None:
-        return 0
-    shape, strides = T.shape(t), T.strides(t)
-    if shape != (M, N):
-        raise ValueError(f"{name}: expected shape {(M, N)}, got {shape}")
-    if M and N > 1 and strides[1] != 1:
-        raise ValueError(f"{name}: last axis must be contiguous, got strides {strides}")
-    return strides[0]
-
-
 def _check_vectors(named, length: int) -> None:
     for name, t in named:
         if t is not None:
@@ -100,7 +87,7 @@ def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None
     ``blocks_per_sm``; 0 the block-per-row kernel (tuning; None: the library's default)."""
     M, N = _matrix_shape("x", x)
     stride_x, stride_res, stride_y, stride_res_out = (
-        _row_stride(name, t, M, N) for name, t in (("x", x), ("residual", residual), ("y", y),
+        T.row_stride(name, t, M, N) for name, t in (("x", x), ("residual", residual), ("y", y),
                                                    ("residual_out", residual_out)))
     if not is_rms_norm and mean is None:
         raise ValueError("mean: LayerNorm needs the [M] fp32 mean buffer")
@@ -126,7 +113,7 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dr
     ``blocks_per_sm``: as in ``bwd_workspace_shapes``."""
     M, N = _matrix_shape("h", h)
     stride_h, stride_dy, stride_dx, stride_dres_out, stride_dres = (
-        _row_stride(name, t, M, N) for name, t in (("h", h), ("dy", dy), ("dx", dx), ("dresidual_out", dresidual_out),
+        T.row_stride(name, t, M, N) for name, t in (("h", h), ("dy", dy), ("dx", dx), ("dresidual_out", dresidual_out),
                                                    ("dresidual", dresidual)))
     if T.dtype_name(dy) != T.dtype_name(dx):
         raise TypeError(f"dx: expected dy's dtype {T.dtype_name(dy)}, got {T.dtype_name(dx)}")

@@ -13,6 +13,7 @@ import ctypes
 from typing import NamedTuple
 
 from ...runtime import tensor as T
+from ..triton.selective_scan import bc_layout
 from . import library
 
 _c_ptr, _c_i64, _c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -53,24 +54,6 @@ def workspace_shape(batch: int, dim: int, dstate: int, plan: ScanPlan):
     return None
 
 
-def _bc_layout(name, t, batch, dim, dstate, seqlen):
-    """(variable, groups, strides (b, g, d, n, l)) of B or C (or their gradients)."""
-    dims, st = T.shape(t), T.strides(t)
-    if len(dims) == 2:
-        T.check_same_shape(name, t, (dim, dstate))
-        return False, 1, (0, 0, st[0], st[1], 0)
-    if len(dims) == 3:
-        T.check_same_shape(name, t, (batch, dstate, seqlen))
-        return True, 1, (st[0], 0, 0, st[1], st[2])
-    if len(dims) == 4:
-        if dims[0] != batch or dims[2:] != (dstate, seqlen) or dims[1] < 1 or dim % dims[1]:
-            raise ValueError(f"{name}: expected [batch={batch}, groups dividing dim={dim}, dstate={dstate}, "
-                             f"seqlen={seqlen}], got {dims}")
-        return True, dims[1], (st[0], st[1], 0, st[2], st[3])
-    raise ValueError(f"{name}: expected [dim, dstate], [batch, dstate, seqlen] or [batch, groups, dstate, "
-                     f"seqlen], got shape {dims}")
-
-
 def _scan_args(u, delta, A, B, C, D, z, delta_bias):
     """Shapes checked; (batch, dim, seqlen, dstate, groups, B layout, C layout)."""
     if len(T.shape(u)) != 3:
@@ -88,7 +71,7 @@ def _scan_args(u, delta, A, B, C, D, z, delta_bias):
     for name, t in (("D", D), ("delta_bias", delta_bias)):
         if t is not None:
             T.check_same_shape(name, t, (dim,))
-    B_lay, C_lay = _bc_layout("B", B, batch, dim, dstate, seqlen), _bc_layout("C", C, batch, dim, dstate, seqlen)
+    B_lay, C_lay = bc_layout("B", B, batch, dim, dstate, seqlen), bc_layout("C", C, batch, dim, dstate, seqlen)
     groups = {lay[1] for lay in (B_lay, C_lay) if lay[0]}
     if len(groups) > 1:
         raise ValueError(f"B, C: input-dependent B and C must have the same number of groups, got {sorted(groups)}")
@@ -181,7 +164,7 @@ def selective_scan_bwd(u, delta, A, B, C, dout, states, workspace, du, ddelta, d
     T.check_contiguous("states", states)
     for name, t, like in (("dB", dB, B), ("dC", dC, C)):
         _check_f32(name, t, T.shape(like))
-    dB_lay, dC_lay = _bc_layout("dB", dB, batch, dim, dstate, seqlen), _bc_layout("dC", dC, batch, dim, dstate, seqlen)
+    dB_lay, dC_lay = bc_layout("dB", dB, batch, dim, dstate, seqlen), bc_layout("dC", dC, batch, dim, dstate, seqlen)
     seq = [_seq(name, t, batch, dim, seqlen, dtype) for name, t in
            (("u", u), ("delta", delta), ("z", z), ("out", None), ("dout", dout), ("du", du), ("ddelta", ddelta),
             ("dz", dz), ("out_z", out_z))]

@@ -438,14 +438,9 @@ def causal_conv1d_fwd(x, weight, out, bias=None, seq_idx=None, initial_states=No
                                     num_warps=warps)
 
 
-def causal_conv1d_bwd(x, weight, dout, dx, dweight, bias=None, dbias=None, seq_idx=None, initial_states=None,
-                      dinitial_states=None, activation=None, block_d=None, block_l=None, segment=None,
-                      num_warps=None) -> None:
-    """Gradients of the conv. Written in place: dx [b, d, l] and dinitial_states [b, d, w-1] (when
-    initial_states is given). Accumulated (+=, float32 contiguous, the caller zeroes them):
-    dweight [d, w] and dbias [d] (when bias is given). ``segment``: at most that many positions a program."""
-    silu = check_activation(activation)
-    batch, dim, seqlen, width, si_st, init_st = conv_args(x, weight, bias, seq_idx, initial_states)
+def check_grad_buffers(dout, dx, dweight, bias, dbias, batch, dim, seqlen, width) -> None:
+    """dout, dx [b, d, l]; dweight [d, w] and dbias [d] (exactly when bias is given) float32
+    contiguous accumulators. Shared with the CUDA wrapper."""
     T.check_same_shape("dout", dout, (batch, dim, seqlen))
     T.check_same_shape("dx", dx, (batch, dim, seqlen))
     for name, t, shape in (("dweight", dweight, (dim, width)), ("dbias", dbias, (dim,))):
@@ -456,6 +451,17 @@ def causal_conv1d_bwd(x, weight, dout, dx, dweight, bias=None, dbias=None, seq_i
                 raise TypeError(f"{name}: expected a float32 accumulator, got {T.dtype_name(t)}")
     if (bias is None) != (dbias is None):
         raise ValueError("dbias: expected exactly when bias is given")
+
+
+def causal_conv1d_bwd(x, weight, dout, dx, dweight, bias=None, dbias=None, seq_idx=None, initial_states=None,
+                      dinitial_states=None, activation=None, block_d=None, block_l=None, segment=None,
+                      num_warps=None) -> None:
+    """Gradients of the conv. Written in place: dx [b, d, l] and dinitial_states [b, d, w-1] (when
+    initial_states is given). Accumulated (+=, float32 contiguous, the caller zeroes them):
+    dweight [d, w] and dbias [d] (when bias is given). ``segment``: at most that many positions a program."""
+    silu = check_activation(activation)
+    batch, dim, seqlen, width, si_st, init_st = conv_args(x, weight, bias, seq_idx, initial_states)
+    check_grad_buffers(dout, dx, dweight, bias, dbias, batch, dim, seqlen, width)
     if (initial_states is None) != (dinitial_states is None):
         raise ValueError("dinitial_states: expected exactly when initial_states is given")
     di_st = (0, 0, 0)

@@ -461,18 +461,6 @@ def _check_stats(mean, rstd, length: int, is_rms_norm: bool) -> None:
     _check_vector("mean", None if is_rms_norm else mean, length)
 
 
-def _row_stride(name: str, t, M: int, N: int) -> int:
-    """The row stride of t, an [M, N] matrix with a contiguous last axis (0 for None)."""
-    if t is None:
-        return 0
-    shape, strides = T.shape(t), T.strides(t)
-    if shape != (M, N):
-        raise ValueError(f"{name}: expected shape {(M, N)}, got {shape}")
-    if M and N > 1 and strides[1] != 1:
-        raise ValueError(f"{name}: last axis must be contiguous, got strides {strides}")
-    return strides[0]
-
-
 def _matrix_shape(name: str, t) -> tuple:
     shape = T.shape(t)
     if len(shape) != 2:
@@ -491,7 +479,7 @@ def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None
     G, ngroups = _groups(N, group_size)
     if (residual is not None or residual_out is not None) and ngroups != 1:
         raise ValueError("residual: not supported together with group_size < N")
-    strides = [_row_stride(name, t, M, N) for name, t in (("x", x), ("residual", residual), ("z", z), ("y", y),
+    strides = [T.row_stride(name, t, M, N) for name, t in (("x", x), ("residual", residual), ("z", z), ("y", y),
                                                           ("residual_out", residual_out))]
     for name, t in (("weight", weight), ("bias", bias)):
         _check_vector(name, t, N)
@@ -522,7 +510,7 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dr
     M, N = _matrix_shape("h", h)
     G, ngroups = _groups(N, group_size)
     stride_h, stride_z, stride_dy, stride_dres_out, stride_dx, stride_dres, stride_dz = (
-        _row_stride(name, t, M, N) for name, t in (("h", h), ("z", z), ("dy", dy), ("dresidual_out", dresidual_out),
+        T.row_stride(name, t, M, N) for name, t in (("h", h), ("z", z), ("dy", dy), ("dresidual_out", dresidual_out),
                                                    ("dx", dx), ("dresidual", dresidual), ("dz", dz)))
     if (z is None) != (dz is None):
         raise ValueError("z and dz: give both or neither")

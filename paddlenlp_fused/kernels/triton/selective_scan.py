@@ -349,7 +349,7 @@ def workspace_shape(batch: int, dim: int, dstate: int, plan: ScanPlan):
     return (batch, plan.seg_chunks, dstate, dim)
 
 
-def _bc_layout(name: str, t, batch: int, dim: int, dstate: int, seqlen: int):
+def bc_layout(name: str, t, batch: int, dim: int, dstate: int, seqlen: int):
     """(variable, groups, strides (b, g, d, n, l)) of B or C; a [b, n, l] tensor is one group."""
     dims, st = T.shape(t), T.strides(t)
     if len(dims) == 2:
@@ -421,7 +421,7 @@ def _scan_args(u, delta, A, B, C, D, z, delta_bias):
         _check_seq(name, t, batch, dim, seqlen)
     _check_vec("D", D, dim)
     _check_vec("delta_bias", delta_bias, dim)
-    B_lay, C_lay = _bc_layout("B", B, batch, dim, dstate, seqlen), _bc_layout("C", C, batch, dim, dstate, seqlen)
+    B_lay, C_lay = bc_layout("B", B, batch, dim, dstate, seqlen), bc_layout("C", C, batch, dim, dstate, seqlen)
     return batch, dim, seqlen, dstate, _groups(B_lay, C_lay), B_lay, C_lay
 
 
@@ -479,7 +479,7 @@ def selective_scan_bwd(u, delta, A, B, C, dout, states, workspace, du, ddelta, d
         if t is not None:
             _check_f32_buffer(name, t, (dim,))
     _check_f32_buffer("dA", dA, (dim, dstate))
-    dB_lay, dC_lay = _bc_layout("dB", dB, batch, dim, dstate, seqlen), _bc_layout("dC", dC, batch, dim, dstate, seqlen)
+    dB_lay, dC_lay = bc_layout("dB", dB, batch, dim, dstate, seqlen), bc_layout("dC", dC, batch, dim, dstate, seqlen)
     for name, t, like in (("dB", dB, B), ("dC", dC, C)):
         T.check_same_shape(name, t, T.shape(like))
         if T.dtype_name(t) != "float32":
