@@ -121,19 +121,20 @@ def _scan_tensors(provider, batch, dim, seqlen, dstate, kind, options, dtype):
     return t
 
 
-def _run_scan(provider, backend, t, softplus, dout):
-    """Forward and backward of ``backend`` (a SCAN_KERNELS key) with every output poisoned."""
+def _run_scan(provider, backend, t, softplus, dout, plan=None, fwd_options=None, bwd_options=None):
+    """Forward and backward of ``backend`` (a SCAN_KERNELS key) with every output poisoned; ``plan``
+    and the launch options default to the launchers' own."""
     kernels = SCAN_KERNELS[backend]
     u = t["u"]
     batch, dim, seqlen = u.shape
     dstate = t["A"].shape[1]
-    plan = kernels.scan_plan(seqlen)
+    plan = plan or kernels.scan_plan(seqlen)
     dtype = str(u.dtype).split(".")[-1]
     out, last = provider.poisoned(u.shape, dtype), provider.poisoned((batch, dim, dstate), "float32")
     states = provider.poisoned(kernels.states_shape(batch, dim, dstate, plan), "float32")
     args = [t[k] for k in ("u", "delta", "A", "B", "C")]
     kernels.selective_scan_fwd(*args, out, t["D"], t["z"], t["delta_bias"], states, last,
-                               delta_softplus=softplus, plan=plan)
+                               delta_softplus=softplus, plan=plan, **(fwd_options or {}))
     du, ddelta = provider.poisoned(u.shape, dtype), provider.poisoned(u.shape, dtype)
     dz = provider.poisoned(u.shape, dtype) if t["z"] is not None else None
     out_z = provider.poisoned(u.shape, dtype) if t["z"] is not None else None
@@ -143,7 +144,7 @@ def _run_scan(provider, backend, t, softplus, dout):
            for k in ("A", "B", "C", "D", "delta_bias")}
     kernels.selective_scan_bwd(*args, dout, states, work, du, ddelta, acc["A"], acc["B"], acc["C"], t["D"],
                                t["z"], t["delta_bias"], acc["D"], dz, acc["delta_bias"], out_z,
-                               delta_softplus=softplus, plan=plan)
+                               delta_softplus=softplus, plan=plan, **(bwd_options or {}))
     provider.synchronize()
     return out, last, out_z, dict(du=du, ddelta=ddelta, dA=acc["A"], dB=acc["B"], dC=acc["C"], dD=acc["D"], dz=dz,
                                   ddelta_bias=acc["delta_bias"])
@@ -182,6 +183,29 @@ def test_scan_strided_inputs(provider, backend):
         t[k] = t[k].transpose(1, 2).contiguous().transpose(1, 2)
     dout = provider.randn((batch, seqlen, dim), dtype).transpose(1, 2)
     out, last, out_z, grads = _run_scan(provider, backend, t, True, dout)
+    _check_scan(provider, t, True, dout, out, last, out_z, grads, dtype)
+
+
+# Triton launch configurations other than the defaults (the benchmark's sweep times some): plan,
+# forward and backward options (block_d dims a program, dim_regs of them in each thread).
+TRITON_CONFIGS = [
+    (dict(bwd_chunk=8), dict(block_d=64), dict(block_d=8, dim_regs=1)),
+    (dict(seg_chunks=1), dict(block_d=16), dict(dim_regs=4)),
+    (dict(chunk=4, seg_chunks=3, bwd_chunk=2), dict(), dict(block_d=32, num_warps=2)),
+    (dict(chunk=16, bwd_chunk=16), dict(), dict(block_d=4, dim_regs=1)),
+    (dict(), dict(), dict(block_d=8)),
+    (dict(bwd_chunk=8), dict(), dict()),
+]
+
+
+@pytest.mark.parametrize("config", TRITON_CONFIGS, ids=str)
+def test_triton_scan_launch_configs(provider, config):
+    plan_options, fwd_options, bwd_options = config
+    batch, dim, seqlen, dstate, dtype = 2, 48, 300, 16, "bfloat16"
+    t = _scan_tensors(provider, batch, dim, seqlen, dstate, "variable", True, dtype)
+    dout = provider.randn((batch, dim, seqlen), dtype)
+    plan = scan_kernels.scan_plan(seqlen, **plan_options)
+    out, last, out_z, grads = _run_scan(provider, "triton", t, True, dout, plan, fwd_options, bwd_options)
     _check_scan(provider, t, True, dout, out, last, out_z, grads, dtype)
 
 
