@@ -276,3 +276,10 @@ def test_bad_input_raises_clear_errors():
         FusedLayerNorm(6)(x)
     with pytest.raises(ValueError, match="backend"):
         layer_norm_fn(x, w, None, backend="cudnn")
+    # the Triton backward's workspace of counters (fused partial sums)
+    stats, partials = paddle.zeros([3]), paddle.zeros([1, 2, 8])
+    launch = triton_args(x, w, stats, stats, x, paddle.empty([3, 8]), paddle.empty([8]), partials)
+    with pytest.raises(TypeError, match="counters: expected int32"):
+        triton_norm.norm_bwd(*launch, counters=triton_args(paddle.zeros([2], dtype="float32"))[0])
+    with pytest.raises(ValueError, match=r"counters: expected shape \(2,\)"):
+        triton_norm.norm_bwd(*launch, counters=triton_args(paddle.zeros([3], dtype="int32"))[0])

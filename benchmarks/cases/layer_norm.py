@@ -8,11 +8,12 @@ the backward's dweight partial sums (P x N fp32) are not counted. Also: a sweep 
 constant M*N (TB/s per backend, ``sweep``).
 
 Two timings of every row, both medians of ``bench_ms`` (L2 flushed before each call): ``*_ms`` calls
-the Python launchers eagerly, as ``common.bench_ms`` does everywhere; ``*_graph_ms`` replays the
-same calls captured in a CUDA graph, which leaves out the host's launch cost (Triton's Python
-launcher costs tens of microseconds a kernel; when the host is slower than the GPU the eager figure
-measures the host, which made earlier backward timings jump between runs). In a training step the
-host runs ahead of the GPU and the graph figure is what the GPU spends. Torch gets both too.
+the Python launchers eagerly, as ``common.bench_ms`` does everywhere (the headline); ``*_graph_ms``
+replays the same calls captured in a CUDA graph, which leaves out the host's launch cost. When the
+host is slower than the GPU the eager figure measures the host: Triton's own launch path costs tens
+of microseconds a kernel, so our Triton launchers call the compiled kernels directly after their
+first launch (``DirectLauncher``), and the Triton backward sums its dweight/dbias partials in the
+same launch (fwd+bwd: two launches, as the op runs them). Torch gets both timings too.
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ def _ours(provider, backend, x, w, b, dy, is_rms):
         return dict(y=provider.empty((M, N), DTYPE), mean=None if is_rms else provider.empty((M,), "float32"),
                     rstd=provider.empty((M,), "float32"), dx=provider.empty((M, N), DTYPE),
                     dw=provider.empty((N,), DTYPE), db=None if b is None else provider.empty((N,), DTYPE),
-                    partials=provider.empty(partials, "float32"),
-                    rowstats=None if rowstats is None else provider.empty(rowstats, "float32"))
+                    workspace=dict(partials=provider.empty(partials, "float32"),
+                                   rowstats=None if rowstats is None else provider.empty(rowstats, "float32"),
+                                   # (Triton: the backward sums dweight/dbias itself, as the op has it)
+                                   **({} if backend == "cuda" else
+                                      dict(counters=provider.zeros((triton_norm.COUNTERS,), "int32")))))
 
     eps = 1e-6 if is_rms else 1e-5
 
@@ -52,8 +56,8 @@ def _ours(provider, backend, x, w, b, dy, is_rms):
         kernels.norm_fwd(x, w, b, o["y"], o["mean"], o["rstd"], eps=eps, is_rms_norm=is_rms)
 
     def bwd(o):
-        kernels.norm_bwd(x, w, o["mean"], o["rstd"], dy, o["dx"], o["dw"], o["partials"], dbias=o["db"],
-                         rowstats=o["rowstats"], is_rms_norm=is_rms)
+        kernels.norm_bwd(x, w, o["mean"], o["rstd"], dy, o["dx"], o["dw"], dbias=o["db"], is_rms_norm=is_rms,
+                         **o["workspace"])
 
     out = buffers()
 

@@ -23,17 +23,16 @@ from ._checks import check_tensor, contiguous, device_of
 
 # ``auto`` on the GPU, LayerNorm and RMSNorm: the backend tried first, by hidden size N, from the
 # hidden-size sweep in benchmarks/results/{layer_norm,rms_norm}.json (H200, bf16, fwd+bwd, M*N = 2^26,
-# GPU time: the launches replayed as a CUDA graph). LayerNorm / RMSNorm ms, Triton vs CUDA:
-#   N = 1024  0.207 vs 0.198 / 0.186 vs 0.188      N = 8192   0.229 vs 0.227 / 0.209 vs 0.206
-#   N = 2048  0.196 vs 0.202 / 0.189 vs 0.187      N = 16384  0.264 vs 0.348 / 0.246 vs 0.301
-#   N = 4096  0.179 vs 0.210 / 0.181 vs 0.195      N >= 32768 Triton by 18-26%
-# Triton wins clearly where its backward pipelines tiles of up to 4096 columns (2048 < N <= 4096)
-# and where its chunked forward beats CUDA's block-per-row one (N > 8192); elsewhere the two are
-# within 4% and CUDA goes first: its launch costs less host time (ctypes, no argument binding; in
-# the same run's eager timing Triton was host-bound, e.g. N = 2048 0.26 vs 0.20 ms).
+# eager launcher calls; Triton's launches go straight to the compiled kernels, so its eager figures
+# equal its CUDA-graph ones within 2%). LayerNorm / RMSNorm ms, Triton vs CUDA:
+#   N = 1024  0.216 vs 0.198 / 0.183 vs 0.189      N = 8192   0.234 vs 0.229 / 0.211 vs 0.208
+#   N = 2048  0.197 vs 0.202 / 0.183 vs 0.187      N = 16384  0.269 vs 0.351 / 0.251 vs 0.303
+#   N = 4096  0.180 vs 0.211 / 0.178 vs 0.195      N >= 32768 Triton by 16-26%
+# Triton goes first where both norms agree it is faster (1024 < N <= 4096, N > 8192); CUDA at
+# N = 8192 (by 1-2%) and at N <= 1024 (LayerNorm by 8%; RMSNorm there is 3% faster on Triton).
 def auto_order(N: int) -> tuple:
     """GPU backends in the order ``auto`` tries them for rows of N elements."""
-    triton_first = 2048 < N <= 4096 or N > 8192
+    triton_first = 1024 < N <= 4096 or N > 8192
     return ("triton", "cuda") if triton_first else ("cuda", "triton")
 
 
@@ -47,13 +46,18 @@ def _launch(backend: str, name: str, tensors: dict, **options) -> None:
     getattr(_KERNELS[backend], name)(**tensors, **options)
 
 
-def _bwd_workspace(backend: str, M: int, N: int, dtype: str, has_bias: bool, group_size=None, place=None):
+def _bwd_workspace(backend: str, M: int, N: int, dtype: str, has_bias: bool, group_size=None, place=None) -> dict:
+    """The backward launcher's workspaces as keyword arguments: partial sums, row statistics
+    (sliced rows) and, for Triton, the zeroed counters of the fused partial sums."""
     if backend == "cuda":
         partials, rowstats = cuda_norm.bwd_workspace_shapes(M, N, dtype, has_bias)
     else:
         partials, rowstats = triton_norm.bwd_workspace_shapes(M, N, has_bias, group_size)
-    return (paddle.empty(list(partials), dtype="float32", device=place),
-            None if rowstats is None else paddle.empty(list(rowstats), dtype="float32", device=place))
+    workspace = dict(partials=paddle.empty(list(partials), dtype="float32", device=place),
+                     rowstats=None if rowstats is None else paddle.empty(list(rowstats), dtype="float32", device=place))
+    if backend == "triton":
+        workspace["counters"] = paddle.zeros([triton_norm.COUNTERS], dtype="int32", device=place)
+    return workspace
 
 
 def _grads(ctx, grads):
@@ -101,11 +105,10 @@ class NormFunction(PyLayer):
             dres = paddle.empty([M, N], dtype=ctx.residual_dtype, device=dy.place)
         dweight = paddle.empty(weight.shape, dtype=weight.dtype, device=dy.place)
         dbias = paddle.empty(weight.shape, dtype=weight.dtype, device=dy.place) if ctx.has_bias else None
-        partials, rowstats = _bwd_workspace(ctx.backend, M, N, T.dtype_name(dy), ctx.has_bias, place=dy.place)
+        workspace = _bwd_workspace(ctx.backend, M, N, T.dtype_name(dy), ctx.has_bias, place=dy.place)
         _launch(ctx.backend, "norm_bwd", dict(h=h, weight=weight, mean=mean, rstd=rstd, dy=dy2d, dx=dx,
-                                              dweight=dweight, partials=partials, dbias=dbias,
-                                              dresidual_out=dres_out2d, dresidual=dres, rowstats=rowstats),
-                **ctx.options)
+                                              dweight=dweight, dbias=dbias, dresidual_out=dres_out2d, dresidual=dres,
+                                              **workspace), **ctx.options)
         dx = dx.reshape(ctx.shape)
         grads = [dx, dweight] + ([dbias] if ctx.has_bias else [])
         if ctx.residual_dtype is not None:
@@ -192,11 +195,11 @@ class GatedRMSNormFunction(PyLayer):
         dx = paddle.empty([M, N], dtype=x2d.dtype, device=x2d.place)
         dz = None if z2d is None else paddle.empty([M, N], dtype=z2d.dtype, device=x2d.place)
         dweight = paddle.empty(weight.shape, dtype=weight.dtype, device=x2d.place)
-        partials, rowstats = _bwd_workspace("triton", M, N, T.dtype_name(x2d), False,
-                                            ctx.options["group_size"], place=x2d.place)
+        workspace = _bwd_workspace("triton", M, N, T.dtype_name(x2d), False, ctx.options["group_size"],
+                                   place=x2d.place)
         _launch("triton", "norm_bwd", dict(h=x2d, weight=weight, mean=None, rstd=rstd,
-                                           dy=contiguous(dy).reshape([M, N]), dx=dx, dweight=dweight,
-                                           partials=partials, z=z2d, dz=dz, rowstats=rowstats), **ctx.options)
+                                           dy=contiguous(dy).reshape([M, N]), dx=dx, dweight=dweight, z=z2d, dz=dz,
+                                           **workspace), **ctx.options)
         grads = [dx.reshape(ctx.shape), dweight] + ([] if dz is None else [dz.reshape(ctx.shape)])
         return _grads(ctx, grads)
 

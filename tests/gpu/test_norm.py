@@ -48,8 +48,13 @@ def _reference(h, w, b, dy, dres_out, eps, is_rms):
 def _run(provider, backend, x, w, b, dy, *, residual=None, res_out_dtype=None, dres_out=None, eps=1e-5,
          is_rms=False, weight_offset=0.0, fwd_options=None, bwd_options=None):
     """Forward and backward of one backend on poisoned outputs; returns them as float64 arrays.
-    ``fwd_options`` / ``bwd_options``: launcher variant overrides (and the workspace's)."""
-    fwd_options, bwd_options = fwd_options or {}, bwd_options or {}
+    ``fwd_options`` / ``bwd_options``: launcher variant overrides (and the workspace's). Triton
+    gets the counters of the fused partial sums (as the op passes them; checked to be left zeroed)
+    unless ``bwd_options`` has ``counters=False``."""
+    fwd_options, bwd_options = dict(fwd_options or {}), dict(bwd_options or {})
+    counters = None
+    if bwd_options.pop("counters", True) and backend == "triton":
+        counters = provider.zeros((triton_norm.COUNTERS,), "int32")
     K = KERNELS[backend]
     M, N = x.shape
     dtype = str(x.dtype).split(".")[-1]
@@ -66,8 +71,10 @@ def _run(provider, backend, x, w, b, dy, *, residual=None, res_out_dtype=None, d
     partials, rowstats = _workspace(provider, backend, M, N, dtype, b is not None, **bwd_options)
     K.norm_bwd(res_out if res_out is not None else x, w, mean, rstd, dy, dx, dw, partials, dbias=db,
                dresidual_out=dres_out, dresidual=dres, rowstats=rowstats, is_rms_norm=is_rms,
-               weight_offset=weight_offset, **bwd_options)
+               weight_offset=weight_offset, **({} if counters is None else dict(counters=counters)), **bwd_options)
     provider.synchronize()
+    if counters is not None:
+        assert not provider.to_numpy(counters).any(), "the fused partial sums left their counters non-zero"
     out = {"y": y, "dx": dx, "dweight": dw, "dbias": db, "residual_out": res_out, "dresidual": dres}
     return {k: provider.to_numpy(v) for k, v in out.items() if v is not None}
 
@@ -131,7 +138,8 @@ def test_residual_stream_and_its_gradient(provider, dtype, res_dtype, res_out_dt
 VARIANTS = [("cuda", dict(items=i, stages=s), dict(items=i, stages=s, blocks_per_sm=bps))
             for i in (1, 2) for s in (0, 2, 3) for bps in (None, 1)] + \
            [("triton", dict(rows=r, num_warps=nw), dict(rows=r, num_warps=nw, num_stages=s, reload_weight=rw))
-            for r, nw, s, rw in ((1, 8, 3, False), (1, 16, 2, True), (2, 8, 1, True))]
+            for r, nw, s, rw in ((1, 8, 3, False), (1, 16, 2, True), (2, 8, 1, True))] + \
+           [("triton", {}, dict(counters=False)), ("triton", {}, dict(num_stages=4, programs_per_sm=3))]
 
 
 @pytest.mark.parametrize("N", [4096, 6000, 24576])
@@ -187,6 +195,52 @@ def test_unaligned_rows_and_no_rows(provider, backend):
     assert np.array_equal(got["dweight"], np.zeros(N)) and np.array_equal(got["dbias"], np.zeros(N))
 
 
+class _Recorder:
+    """Stands in for a DirectLauncher: records each launch's arguments, then launches."""
+
+    def __init__(self, launcher):
+        self.launcher, self.calls = launcher, []
+
+    def __call__(self, grid, args, constexprs, options=()):
+        self.calls.append((args, constexprs, options))
+        self.launcher(grid, args, constexprs, options)
+
+    def warmup(self, args, constexprs, options=()):
+        return self.launcher.warmup(args, constexprs, options)
+
+
+def test_direct_launches_pick_the_kernel_triton_picks(provider, monkeypatch):
+    """After the first launch of a specialisation the Triton launchers call the compiled kernel
+    directly (DirectLauncher): across arguments that differ in what Triton specialises on (16-byte
+    alignment of a pointer, ints that are 1 or multiples of 16, None), the kernel cached under each
+    launch's key must be the one Triton's own path compiles for those arguments, and a repeated
+    (direct) launch must write the same bits as the first; with the partial sums fused into the
+    backward (grid barrier) and in their own kernel."""
+    recorders = {name: _Recorder(getattr(triton_norm, name)) for name in ("_launch_fwd", "_launch_bwd", "_launch_sum")}
+    for name, recorder in recorders.items():
+        monkeypatch.setattr(triton_norm, name, recorder)
+    for M, N, col_offset, pad in ((64, 4096, 0, 0), (64, 4096, 1, 3), (3, 17, 0, 0), (16, 1, 0, 0)):
+        big = provider.randn((M, N + col_offset + pad), "bfloat16")
+        x = big[:, col_offset:col_offset + N]
+        w, b, dy = provider.randn((N,), "bfloat16"), provider.randn((N,), "bfloat16"), provider.randn((M, N), "bfloat16")
+        y, dh, dw, db, _ = _reference(provider.to_numpy(x), provider.to_numpy(w), provider.to_numpy(b),
+                                      provider.to_numpy(dy), None, 1e-5, False)
+        for fused in (False, True):  # (the partial sums in their own kernel, or in the backward)
+            first, second = (_run(provider, "triton", x, w, b, dy, bwd_options=dict(counters=fused)) for _ in range(2))
+            for key in first:
+                np.testing.assert_array_equal(first[key], second[key], err_msg=f"{key} [{M}, {N}] {col_offset} {fused}")
+            for name, ref in (("y", y), ("dx", dh), ("dweight", dw), ("dbias", db)):
+                if np.any(ref):
+                    assert_close(f"{name} [{M}, {N}] fused={fused}", second[name], ref, "bfloat16")
+                else:  # (N = 1: dx and dweight of a LayerNorm are exactly 0)
+                    np.testing.assert_array_equal(second[name], ref, err_msg=f"{name} [{M}, {N}] fused={fused}")
+    for name, recorder in recorders.items():
+        assert recorder.calls, name
+        for args, constexprs, options in recorder.calls:
+            key, _ = recorder.launcher.specialisation(args, constexprs, options)
+            assert recorder.launcher.compiled[key] is recorder.launcher.warmup(args, constexprs, options), name
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N,group_size,norm_before_gate", [(4096, 1024, True), (4096, None, False),
                                                            (24, 8, False), (40000, 20000, True)])
@@ -200,9 +254,11 @@ def test_gated_rms_norm_matches_float64(provider, N, group_size, norm_before_gat
                          norm_before_gate=norm_before_gate)
     dx, dz, dw = provider.poisoned((M, N), dtype), provider.poisoned((M, N), dtype), provider.poisoned((N,), dtype)
     partials, rowstats = _workspace(provider, "triton", M, N, dtype, False, group_size)
-    triton_norm.norm_bwd(x, w, None, rstd, dy, dx, dw, partials, z=z, dz=dz, rowstats=rowstats, is_rms_norm=True,
-                         group_size=group_size, norm_before_gate=norm_before_gate)
+    counters = provider.zeros((triton_norm.COUNTERS,), "int32")  # as the op passes them (used without groups)
+    triton_norm.norm_bwd(x, w, None, rstd, dy, dx, dw, partials, z=z, dz=dz, rowstats=rowstats, counters=counters,
+                         is_rms_norm=True, group_size=group_size, norm_before_gate=norm_before_gate)
     provider.synchronize()
+    assert not provider.to_numpy(counters).any()
 
     x64, z64, w64, dy64 = (provider.to_numpy(t) for t in (x, z, w, dy))
     sig = 1 / (1 + np.exp(-z64))
@@ -249,7 +305,8 @@ def sanitize_smoke() -> None:
 
     provider = gpu_provider()
     for backend, fwd_options, bwd_options in VARIANTS:  # no residual: the staged CUDA kernels too
-        if backend == "cuda" or bwd_options == dict(rows=1, num_warps=8, num_stages=3, reload_weight=False):
+        if backend == "cuda" or bwd_options in (dict(rows=1, num_warps=8, num_stages=3, reload_weight=False),
+                                                dict(counters=False)):
             for M, N in ((5, 256), (3, 8200)):
                 x, w, b, dy = (provider.randn((M, N), "bfloat16"), provider.randn((N,), "bfloat16"),
                                provider.randn((N,), "bfloat16"), provider.randn((M, N), "bfloat16"))

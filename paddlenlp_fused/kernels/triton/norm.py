@@ -9,6 +9,7 @@ Shapes (M rows, N columns; 2-D tensors have a contiguous last axis and rows at a
                                           dweight (and dbias); ``bwd_workspace_shapes`` gives P
     rowstats (backward workspace)        [M * ngroups, 2] fp32, only when a group is wider than one
                                           register block (``bwd_workspace_shapes`` says when)
+    counters (backward workspace)        [COUNTERS] int32 zeros, optional: the fused partial sums
 
 Each row is normalised in groups of G = group_size consecutive columns (G = N for the plain norms):
     h    = x (+ residual, rounded to residual_out's dtype, which is also stored)
@@ -22,8 +23,14 @@ L2). The backward runs a persistent grid of P programs per group and column slab
 on the GPU at once): each walks row tiles pid, pid + P, ... in a ``tl.range`` loop that Triton
 software-pipelines with ``num_stages`` (the next tiles' loads go to shared memory asynchronously
 while the current tile is reduced), keeps its dweight/dbias sums in fp32 registers and writes one
-partial row; a second small kernel sums the P partial rows. Groups wider than one backward block
-(8192) are split into column slabs, whose row reductions a pre-pass computes (``rowstats``).
+partial row; a second small kernel sums the P partial rows. Given a ``counters`` workspace, rows
+of one slab instead sum them in the same launch: a cooperative launch (all P programs resident),
+a grid barrier on the counters, then each program sums a few columns of all P rows. Groups wider
+than one backward block (8192) are split into column slabs, whose row reductions a pre-pass
+computes (``rowstats``).
+
+Launches go through ``DirectLauncher``, which calls the compiled kernel directly once Triton has
+compiled it for a specialisation: the eager fwd+bwd was bound by Triton's per-launch host work.
 
 The other loops with run-time trip counts are ``while`` loops (written when the interpreter could
 not take a run-time ``range`` bound).
@@ -31,17 +38,24 @@ not take a run-time ``range`` bound).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from ...runtime import tensor as T
 
 FWD_MAX_BLOCK = 8192  # widest group the forward keeps in registers (H200: chunks of 8192 beat one
 # 16384 block, 0.085 vs 0.120 ms for LayerNorm [4096, 16384] bf16)
 BWD_MAX_BLOCK = 8192  # widest column slab the backward keeps in registers (with its dw/db sums)
-_SUM_BLOCK_P, _SUM_BLOCK_N = 32, 64
+# Tiles of the partial sums: narrow column blocks, so that many programs share the P rows (H200,
+# 264 rows of 4096: the separate kernel alone 0.0086 ms at 128 x 16, 0.0101 at 64 x 32, 0.0131 at
+# 32 x 64, CUDA-graph timing; fused into the backward, 256 x 16 / 128 x 16 / 64 x 32 within 0.5 us)
+_SUM_BLOCK_P, _SUM_BLOCK_N = 128, 16  # the separate partial-sum kernel
+_FUSED_SUM_BLOCK_P, _FUSED_SUM_BLOCK_N = 128, 16  # the sums in the backward
+COUNTERS = 2  # int32 workspace of the fused partial sums (arrivals, departures at the grid barrier)
 _STAGE_BUFFER_BYTES = 128 * 1024  # shared memory the backward's pipelined loads may take
 
 
@@ -233,17 +247,20 @@ def _norm_bwd_rowstats_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, r
 
 @triton.jit(do_not_specialize=["NUM_PARTIALS"])  # one compiled kernel whatever the grid size
 def _norm_bwd_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dres_out_ptr, rowstats_ptr,
-                     dx_ptr, dres_ptr, dz_ptr, partials_ptr,
+                     dx_ptr, dres_ptr, dz_ptr, partials_ptr, dw_ptr, db_ptr, counters_ptr,
                      M, G, NGROUPS, NUM_PARTIALS, stride_partials, stride_h, stride_z, stride_dy, stride_dres_out,
                      stride_dx, stride_dres, stride_dz, weight_offset,
                      IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES_OUT: tl.constexpr,
                      HAS_DRES: tl.constexpr, HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
                      STATS_GIVEN: tl.constexpr, NUM_SLABS: tl.constexpr,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
-                     RELOAD_WEIGHT: tl.constexpr):
+                     RELOAD_WEIGHT: tl.constexpr, FUSE_SUM: tl.constexpr,
+                     SUM_BLOCK_P: tl.constexpr, SUM_BLOCK_N: tl.constexpr):
     """Grid (NUM_PARTIALS, NGROUPS * NUM_SLABS): program (p, q) walks the row tiles p, p + P, ... of
     group q // NUM_SLABS, columns [slab * BLOCK_N, (slab + 1) * BLOCK_N) of it, and writes row p of
-    the partial sums of dweight (and dbias, ``stride_partials`` further on) for those columns."""
+    the partial sums of dweight (and dbias, ``stride_partials`` further on) for those columns.
+    FUSE_SUM (one group, one slab, a cooperative launch): then all programs meet at a grid barrier
+    and sum the partial rows into dw / db themselves, SUM_BLOCK_N columns at a time."""
     pid = tl.program_id(0)
     g = tl.program_id(1) // NUM_SLABS
     slab = tl.program_id(1) % NUM_SLABS
@@ -302,6 +319,56 @@ def _norm_bwd_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dres_out_p
     tl.store(out, tl.sum(dw_acc, axis=0)[None, :], mask=col_mask)
     if HAS_BIAS:
         tl.store(out + stride_partials, tl.sum(db_acc, axis=0)[None, :], mask=col_mask)
+    if FUSE_SUM:
+        _grid_barrier(counters_ptr, NUM_PARTIALS)
+        block = pid
+        while block * SUM_BLOCK_N < G:
+            sum_cols = block * SUM_BLOCK_N + tl.arange(0, SUM_BLOCK_N)
+            sum_mask = sum_cols < G
+            total = _column_sums(partials_ptr, sum_cols, sum_mask, NUM_PARTIALS, G, SUM_BLOCK_P, SUM_BLOCK_N)
+            tl.store(dw_ptr + sum_cols, total.to(dw_ptr.dtype.element_ty), mask=sum_mask)
+            if HAS_BIAS:
+                total = _column_sums(partials_ptr + stride_partials, sum_cols, sum_mask, NUM_PARTIALS, G,
+                                     SUM_BLOCK_P, SUM_BLOCK_N)
+                tl.store(db_ptr + sum_cols, total.to(db_ptr.dtype.element_ty), mask=sum_mask)
+            block += NUM_PARTIALS
+        _grid_depart(counters_ptr, NUM_PARTIALS)
+
+
+@triton.jit
+def _grid_barrier(counters_ptr, num_programs):
+    """Returns once all num_programs programs of the launch have called it: counters[0] counts the
+    arrivals. Only for cooperative launches (every program resident at once). The pattern of
+    cooperative groups' grid sync: a block barrier, then one release increment; acquire polls."""
+    tl.debug_barrier()  # (every thread of the program has issued its partial-row stores)
+    tl.atomic_add(counters_ptr, 1, sem="release", scope="gpu")
+    while tl.atomic_add(counters_ptr, 0, sem="acquire", scope="gpu") < num_programs:
+        pass
+
+
+@triton.jit
+def _grid_depart(counters_ptr, num_programs):
+    """After ``_grid_barrier``: counters[1] counts the programs done; the last one resets both
+    counters to 0 (all others are past the barrier), so the workspace is ready for the next launch."""
+    tl.debug_barrier()
+    if tl.atomic_add(counters_ptr + 1, 1, sem="acq_rel", scope="gpu") == num_programs - 1:
+        tl.atomic_xchg(counters_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(counters_ptr + 1, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _column_sums(rows_ptr, cols, col_mask, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Sums over the first P fp32 rows of N at rows_ptr, at columns ``cols`` [BLOCK_N]. Loads at L2
+    (``.cg``): the rows were written by other programs of the same launch when fused."""
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    start = 0
+    while start < P:
+        prow = start + tl.arange(0, BLOCK_P)
+        mask = (prow[:, None] < P) & col_mask[None, :]
+        acc += tl.load(rows_ptr + prow.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0,
+                       cache_modifier=".cg")
+        start += BLOCK_P
+    return tl.sum(acc, axis=0)
 
 
 @triton.jit
@@ -312,15 +379,7 @@ def _sum_partials_kernel(partials_ptr, dw_ptr, db_ptr, P, N, stride_partials,
     which = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    base = partials_ptr + which.to(tl.int64) * stride_partials
-    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    start = 0
-    while start < P:
-        prow = start + tl.arange(0, BLOCK_P)
-        mask = (prow[:, None] < P) & col_mask[None, :]
-        acc += tl.load(base + prow.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
-        start += BLOCK_P
-    total = tl.sum(acc, axis=0)
+    total = _column_sums(partials_ptr + which.to(tl.int64) * stride_partials, cols, col_mask, P, N, BLOCK_P, BLOCK_N)
     if HAS_BIAS:
         if which == 0:
             tl.store(dw_ptr + cols, total.to(dw_ptr.dtype.element_ty), mask=col_mask)
@@ -328,6 +387,95 @@ def _sum_partials_kernel(partials_ptr, dw_ptr, db_ptr, P, N, stride_partials,
             tl.store(db_ptr + cols, total.to(db_ptr.dtype.element_ty), mask=col_mask)
     else:
         tl.store(dw_ptr + cols, total.to(dw_ptr.dtype.element_ty), mask=col_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# direct launches
+
+
+_INT32, _INT64 = range(-(2**31), 2**31), range(-(2**63), 2**63)
+
+
+def _hooked(hook) -> bool:
+    """A launch hook is set: a callable, or a non-empty chain (Triton 3.6's default is an empty
+    ``HookChain``; older versions use None)."""
+    return bool(getattr(hook, "calls", hook))
+
+
+class DirectLauncher:
+    """Launches a ``@triton.jit`` kernel, calling its compiled binary directly from the second
+    launch of each specialisation on. ``JITFunction.run`` binds and mangles every argument and
+    rebuilds its cache key on each call, and the binary's launcher asks the driver about every
+    tensor address: tens of microseconds of host time per launch, which made the eager fwd+bwd
+    host-bound on the H200. Here the first launch of a specialisation goes through
+    ``JITFunction.run`` (compiling it) and its ``CompiledKernel`` is kept under a key holding all
+    that Triton specialises on: per tensor its dtype and 16-byte alignment, per int its type
+    (i32 / i64 / u64 by range) and, unless do_not_specialize, == 1 and % 16 == 0; None-ness;
+    the constexprs and options; the device. Later launches pass tensors as integer addresses.
+    Interpreter mode and launch hooks (profilers) take Triton's own path every time.
+
+    ``launcher(grid, args, constexprs, options)``: ``args`` the runtime arguments in the kernel's
+    order, ``constexprs`` the tuple of its constexpr values in order (the kernel declares them
+    last), ``options`` a tuple of (name, value) pairs such as num_warps."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.direct = isinstance(fn, JITFunction)  # (not in interpreter mode)
+        self.compiled = {}
+        if self.direct:
+            n_runtime = sum(not p.is_constexpr for p in fn.params)
+            if any(p.is_constexpr for p in fn.params[:n_runtime]):
+                raise TypeError(f"{fn.__name__}: DirectLauncher needs the constexpr parameters last")
+            self.specialize = tuple(not p.do_not_specialize for p in fn.params[:n_runtime])
+
+    def _named(self, n_args, constexprs, options) -> dict:
+        return dict(zip(self.fn.arg_names[n_args:], constexprs), **dict(options))
+
+    def _jit_launch(self, grid, args, constexprs, options):
+        return self.fn[grid](*args, **self._named(len(args), constexprs, options))
+
+    def warmup(self, args, constexprs, options=()):
+        """The compiled kernel for these arguments, compiled if needed, launching nothing."""
+        return self.fn.warmup(*args, grid=(1,), **self._named(len(args), constexprs, options))
+
+    def specialisation(self, args, constexprs, options=()):
+        """(cache key, launch arguments: tensors replaced by their addresses) of a launch; key
+        None for arguments of other types (bool, numpy scalars), which take Triton's path."""
+        launch_args, key = list(args), []
+        for i, value in enumerate(args):
+            kind = type(value)
+            if kind is int:
+                if value not in _INT64:
+                    return None, args
+                # type (i32 / i64) and, when specialised, == 1 (a constant) and % 16 == 0
+                key.append((value in _INT32, self.specialize[i] and value == 1,
+                            self.specialize[i] and value % 16 == 0))
+            elif value is None or kind is float:
+                key.append(kind)
+            elif hasattr(value, "data_ptr") and kind is not bool:
+                address = value.data_ptr()
+                key.append((value.dtype, address % 16 == 0))
+                launch_args[i] = address
+            else:
+                return None, args
+        device = triton.runtime.driver.active.get_current_device()
+        return (device, tuple(key), constexprs, options), launch_args
+
+    def __call__(self, grid, args, constexprs, options=()):
+        if not self.direct or _hooked(triton.knobs.runtime.launch_enter_hook) or \
+                _hooked(triton.knobs.runtime.launch_exit_hook):
+            self._jit_launch(grid, args, constexprs, options)
+            return
+        key, launch_args = self.specialisation(args, constexprs, options)
+        compiled = None if key is None else self.compiled.get(key)
+        if compiled is None:  # the first launch of this specialisation compiles (or loads) and runs it
+            compiled = self._jit_launch(grid, args, constexprs, options)
+            if key is not None:
+                self.compiled[key] = compiled
+            return
+        stream = triton.runtime.driver.active.get_current_stream(key[0])
+        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, stream, compiled.function,
+                     compiled.packed_metadata, None, None, None, *launch_args, *constexprs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -396,19 +544,36 @@ def _max_programs_per_sm(num_warps: int) -> int:
     return max(1, min(64 // num_warps, 65536 // (32 * num_warps * 32)))
 
 
+def _driver_occupancy(compiled, num_warps: int):
+    """Programs of a loaded kernel one SM holds at once, from the CUDA driver's occupancy query
+    (None where the kernel is not loaded on a GPU: the compile-only check)."""
+    global _libcuda
+    if not compiled.function:
+        return None
+    if _libcuda is None:
+        _libcuda = ctypes.CDLL("libcuda.so.1")
+    count = ctypes.c_int(0)
+    status = _libcuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(count), ctypes.c_void_p(compiled.function), ctypes.c_int(32 * num_warps),
+        ctypes.c_size_t(compiled.metadata.shared))
+    return count.value if status == 0 else None
+
+
+_libcuda = None
 _resident_cache = {}
 
 
-def _resident_programs_per_sm(kernel, tensors, make_args, kwargs, num_warps: int) -> int:
+def _resident_programs_per_sm(launcher, tensors, make_args, constexprs, options, num_warps: int) -> int:
     """Programs of the compiled backward kernel that fit on one SM at once (registers, shared
     memory, warp slots): the persistent grid is that many per SM, so all programs run in one wave.
-    Cached by the tensors' dtypes and the constexprs (a cheap key: this runs on every launch);
-    ``make_args()`` gives the launch arguments to compile with on a miss."""
+    For a cooperative launch also at most what the driver's occupancy query says (exactly what the
+    launch accepts). Cached by the tensors' dtype objects and the constexprs (a cheap key: this
+    runs on every launch); ``make_args()`` gives the launch arguments to compile with on a miss."""
     if triton.knobs.runtime.interpret:
         return 2
-    key = (tuple(None if t is None else T.dtype_name(t) for t in tensors), tuple(kwargs.items()))
+    key = (tuple(None if t is None else t.dtype for t in tensors), constexprs, options)
     if key not in _resident_cache:
-        compiled = kernel.warmup(*make_args(), grid=(1,), **kwargs)
+        compiled = launcher.warmup(make_args(), constexprs, options)
         compiled._init_handles()
         props = triton.runtime.driver.active.utils.get_device_properties(
             triton.runtime.driver.active.get_current_device())
@@ -417,6 +582,9 @@ def _resident_programs_per_sm(kernel, tensors, make_args, kwargs, num_warps: int
             per_sm = min(per_sm, 65536 // (32 * num_warps * (-(-compiled.n_regs // 8) * 8)))
         if compiled.metadata.shared:
             per_sm = min(per_sm, props["max_shared_mem"] // compiled.metadata.shared)
+        if ("launch_cooperative_grid", True) in options:
+            exact = _driver_occupancy(compiled, num_warps)
+            per_sm = per_sm if exact is None else min(per_sm, exact)
         _resident_cache[key] = max(1, per_sm)
     return _resident_cache[key]
 
@@ -443,13 +611,24 @@ def bwd_workspace_shapes(M: int, N: int, has_bias: bool, group_size=None, progra
 # and their host time adds to the GPU's whenever the host is the slower of the two.
 
 
+_itemsizes = {}
+
+
+def _itemsize(t) -> int:
+    """Bytes per element, cached by dtype object (``str(dtype)`` costs microseconds in Paddle)."""
+    size = _itemsizes.get(t.dtype)
+    if size is None:
+        size = _itemsizes[t.dtype] = T.itemsize(t)
+    return size
+
+
 def _check_vector(name: str, t, length: int) -> None:
     """t is None or a contiguous [length] vector."""
     if t is None:
         return
-    shape = T.shape(t)
-    if shape != (length,):
-        raise ValueError(f"{name}: expected shape {(length,)}, got {shape}")
+    shape = t.shape  # (not T.shape: this runs for every vector of every launch)
+    if len(shape) != 1 or shape[0] != length:
+        raise ValueError(f"{name}: expected shape {(length,)}, got {T.shape(t)}")
     if length > 1 and T.strides(t)[0] != 1:
         raise ValueError(f"{name}: launcher expects a contiguous tensor, got strides {T.strides(t)}")
 
@@ -487,24 +666,25 @@ def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None
     if M == 0 or N == 0:
         return
     rows, block_n, num_warps = _fwd_config(G, max_block, rows, num_warps)
-    _norm_fwd_kernel[(triton.cdiv(M, rows), ngroups)](
-        x, residual, z, weight, bias, y, residual_out, None if is_rms_norm else mean, rstd,
-        M, G, ngroups, *strides, float(eps), float(weight_offset),
-        IS_RMS=is_rms_norm, HAS_RES=residual is not None, STORE_RES_OUT=residual_out is not None,
-        HAS_BIAS=bias is not None, HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate,
-        ROWS=rows, BLOCK_N=block_n, SINGLE_BLOCK=block_n >= G, num_warps=num_warps)
+    _launch_fwd((triton.cdiv(M, rows), ngroups),
+                (x, residual, z, weight, bias, y, residual_out, None if is_rms_norm else mean, rstd,
+                 M, G, ngroups, *strides, float(eps), float(weight_offset)),
+                (is_rms_norm, residual is not None, residual_out is not None, bias is not None, z is not None,
+                 norm_before_gate, rows, block_n, block_n >= G), (("num_warps", num_warps),))
 
 
 def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dresidual_out=None,
-             dresidual=None, z=None, dz=None, rowstats=None, is_rms_norm: bool = False,
+             dresidual=None, z=None, dz=None, rowstats=None, counters=None, is_rms_norm: bool = False,
              weight_offset: float = 0.0, group_size=None, norm_before_gate: bool = True,
              max_block: int = BWD_MAX_BLOCK, rows=None, num_warps=None, programs_per_sm=None, num_stages=None,
              reload_weight=True) -> None:
     """Gradients of ``norm_fwd``. ``h`` is what the forward normalised before gating: residual_out
     when it stored one, else x. Writes dx (= dh, plus dresidual_out), dresidual (dh in the
     residual's dtype, when that differs from dx's), dz (gated), dweight and dbias; ``partials`` and
-    ``rowstats`` are workspaces shaped by ``bwd_workspace_shapes``; ``max_block``, ``rows``,
-    ``num_warps`` and ``programs_per_sm`` as there. ``num_stages``: software-pipelining depth of
+    ``rowstats`` are workspaces shaped by ``bwd_workspace_shapes``. ``counters``: an int32
+    [COUNTERS] workspace of zeros (left zeroed); given, a backward of one column slab and one group
+    sums dweight/dbias in its own (cooperative) launch instead of a second kernel's. ``max_block``,
+    ``rows``, ``num_warps`` and ``programs_per_sm`` as there. ``num_stages``: software-pipelining depth of
     the row loop (1: none; default ``_bwd_stages``); ``reload_weight``: read the weight each row
     (from L1) rather than holding it in registers across rows (tuning)."""
     M, N = _matrix_shape("h", h)
@@ -521,13 +701,17 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dr
     num_stages = num_stages or _bwd_stages(rows * block_n)
     # each pipeline stage buffers one tile of every row tensor loaded in the loop: keep the
     # buffers within shared memory (sm_80: 163 KiB; 128 KiB leaves room for the reductions)
-    stage_bytes = rows * block_n * sum(T.itemsize(t) for t in (h, dy, z, dresidual_out) if t is not None)
+    stage_bytes = rows * block_n * sum(_itemsize(t) for t in (h, dy, z, dresidual_out) if t is not None)
     num_stages = max(1, min(num_stages, 1 + _STAGE_BUFFER_BYTES // stage_bytes))
     n_sums, partials_shape = 2 if dbias is not None else 1, T.shape(partials)
     num_partials = partials_shape[1] if len(partials_shape) == 3 else 0
     if partials_shape != (n_sums, num_partials, N) or not num_partials:
         raise ValueError(f"partials: expected an fp32 workspace [{n_sums}, P >= 1, {N}], got shape {partials_shape}")
     T.check_contiguous("partials", partials)
+    if counters is not None:
+        _check_vector("counters", counters, COUNTERS)
+        if T.dtype_name(counters) != "int32":
+            raise TypeError(f"counters: expected int32, got {T.dtype_name(counters)}")
     if slabs > 1:
         if rowstats is None:
             raise ValueError(f"rowstats: a [{M * ngroups}, 2] fp32 workspace is needed for groups of {G}")
@@ -537,38 +721,51 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dr
         return
     if M:
         if slabs > 1:
-            _norm_bwd_rowstats_kernel[(M, ngroups)](
-                h, z, weight, None if is_rms_norm else mean, rstd, dy, rowstats, M, G, ngroups,
-                stride_h, stride_z, stride_dy, float(weight_offset),
-                IS_RMS=is_rms_norm, HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate,
-                BLOCK_N=block_n, num_warps=_warps(block_n))
-        kwargs = dict(IS_RMS=is_rms_norm, HAS_BIAS=dbias is not None, HAS_DRES_OUT=dresidual_out is not None,
-                      HAS_DRES=dresidual is not None, HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate,
-                      STATS_GIVEN=slabs > 1, NUM_SLABS=slabs, ROWS=rows, BLOCK_N=block_n, num_warps=num_warps,
-                      NUM_STAGES=num_stages, RELOAD_WEIGHT=reload_weight)
-
+            _launch_rowstats((M, ngroups),
+                             (h, z, weight, None if is_rms_norm else mean, rstd, dy, rowstats, M, G, ngroups,
+                              stride_h, stride_z, stride_dy, float(weight_offset)),
+                             (is_rms_norm, z is not None, norm_before_gate, block_n), (("num_warps", _warps(block_n)),))
+        # the partial sums in the same launch: needs every program resident (a cooperative launch;
+        # never in the interpreter, which runs programs one after another)
+        fuse = counters is not None and ngroups * slabs == 1 and not triton.knobs.runtime.interpret
+        constexprs = (is_rms_norm, dbias is not None, dresidual_out is not None, dresidual is not None, z is not None,
+                      norm_before_gate, slabs > 1, slabs, rows, block_n, num_stages, reload_weight, fuse,
+                      _FUSED_SUM_BLOCK_P, _FUSED_SUM_BLOCK_N)
+        options = (("num_warps", num_warps),) + ((("launch_cooperative_grid", True),) if fuse else ())
         tensors = (h, z, weight, None if is_rms_norm else mean, rstd, dy, dresidual_out,
-                   rowstats if slabs > 1 else None, dx, dresidual, dz, partials)
+                   rowstats if slabs > 1 else None, dx, dresidual, dz, partials) + \
+                  ((dweight, dbias, counters) if fuse else (None, None, None))
         scalars = (num_partials * N, stride_h, stride_z, stride_dy, stride_dres_out, stride_dx, stride_dres, stride_dz,
                    float(weight_offset))
 
         def args(programs):
             return tensors + (M, G, ngroups, programs) + scalars
 
-        per_sm = programs_per_sm or _resident_programs_per_sm(_norm_bwd_kernel, tensors, lambda: args(1), kwargs,
-                                                              num_warps)
+        resident = _resident_programs_per_sm(_launch_bwd, tensors, lambda: args(1), constexprs, options, num_warps)
+        per_sm = programs_per_sm or resident
+        if fuse:  # a cooperative launch fails when more programs are asked for than fit at once
+            per_sm = min(per_sm, resident)
         programs = max(1, min(num_partials, triton.cdiv(M, rows), _num_sms() * per_sm // (ngroups * slabs)))
-        _norm_bwd_kernel[(programs, ngroups * slabs)](*args(programs), **kwargs)
+        _launch_bwd((programs, ngroups * slabs), args(programs), constexprs, options)
+        if fuse:
+            return
     # with no rows dweight and dbias are sums over no partial rows: zeros
-    _sum_partials_kernel[(triton.cdiv(N, _SUM_BLOCK_N), n_sums)](
-        partials, dweight, dbias, programs if M else 0, N, num_partials * N, HAS_BIAS=dbias is not None,
-        BLOCK_P=_SUM_BLOCK_P, BLOCK_N=_SUM_BLOCK_N, num_warps=4)
+    _launch_sum((triton.cdiv(N, _SUM_BLOCK_N), n_sums),
+                (partials, dweight, dbias, programs if M else 0, N, num_partials * N),
+                (dbias is not None, _SUM_BLOCK_P, _SUM_BLOCK_N), (("num_warps", 4),))
+
+
+_launch_fwd = DirectLauncher(_norm_fwd_kernel)
+_launch_rowstats = DirectLauncher(_norm_bwd_rowstats_kernel)
+_launch_bwd = DirectLauncher(_norm_bwd_kernel)
+_launch_sum = DirectLauncher(_sum_partials_kernel)
 
 
 def compile_cases():
     """Launches for the compile-only check (SpecTensor arguments): per dtype, LayerNorm with bias,
-    an fp32 residual stream and prenorm at the canonical width; RMSNorm at 65536 (chunked forward,
-    backward in slabs); the gated RMSNorm with groups and the gate first."""
+    an fp32 residual stream and prenorm at the canonical width, and with the fused partial sums;
+    RMSNorm at 65536 (chunked forward, backward in slabs); the gated RMSNorm with groups and the
+    gate first."""
     f32 = "float32"
     for dtype in T.FLOAT_DTYPES:
         M, N = 16384, 4096
@@ -579,6 +776,8 @@ def compile_cases():
             norm_fwd(x, w, b, x, s, s, residual=r, residual_out=ro)
         yield f"layer_norm_bwd[{dtype},N={N},residual]", lambda x=x, ro=res_out, w=w, b=b, s=stat, p=partials: \
             norm_bwd(ro, w, s, s, x, x, w, T.SpecTensor(p, f32), dbias=b, dresidual_out=ro, dresidual=ro)
+        yield f"layer_norm_bwd[{dtype},N={N},fused sums]", lambda x=x, w=w, b=b, s=stat, p=partials: \
+            norm_bwd(x, w, s, s, x, x, w, T.SpecTensor(p, f32), dbias=b, counters=T.SpecTensor((COUNTERS,), "int32"))
 
         M, N = 64, 65536
         x, w, stat = T.SpecTensor((M, N), dtype), T.SpecTensor((N,), dtype), T.SpecTensor((M,), f32)
