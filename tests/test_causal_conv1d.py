@@ -119,3 +119,18 @@ def test_triton_tiles_segments_seq_idx_and_initial_states(width):
     assert_close("out", out.numpy(), y64.numpy(), "float32")
     for name, got, want in zip(("dx", "dweight", "dbias", "dinitial_states"), (dx, dw, db, dinit), grads64):
         assert_close(name, got.numpy(), want.numpy(), "float32")
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 8])
+def test_triton_forward_halo_of_several_chunks(chunk):
+    """Width 6 with chunks of 1, 2 and 8 positions a thread: the w - 1 = 5 inputs before a chunk
+    come from 5, 3 and 1 chunks before it; seq_idx, initial states, a partial last tile, out poisoned."""
+    batch, dim, seqlen, width = 2, 3, 29, 6
+    x, weight, bias = randn((batch, dim, seqlen)), randn((dim, width), scale=0.5), randn((dim,))
+    init = randn((batch, dim, width - 1))
+    ids = np.array([[0] * 3 + [1] * 10 + [2] * 16, [0] * 20 + [1] * 9])
+    out = paddle.full([batch, dim, seqlen], float("nan"))
+    conv_kernels.causal_conv1d_fwd(*triton_args(x, weight, out, bias, paddle.to_tensor(ids.astype(np.int32)), init),
+                                   activation="silu", block_d=2, block_l=16, chunk=chunk)
+    want = conv64(*(t.numpy().astype(np.float64) for t in (x, weight, bias)), ids, init.numpy().astype(np.float64))
+    assert_close("out", out.numpy(), want, "float32")

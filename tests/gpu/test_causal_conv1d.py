@@ -151,6 +151,33 @@ def test_conv_fwd_bwd_match_float64(provider, shape, dtype, backend):
             assert_close(name, provider.to_numpy(g), ref_grads[name], dtype)
 
 
+# Triton forward tiles other than the defaults: (block_d, block_l, chunk, num_warps). Chunks shorter
+# than w - 1 take several halo chunks (width 7: up to 6); chunk 1 is the channel-last geometry.
+FWD_TILES = [(1, 64, 8, 1), (4, 32, 2, 2), (2, 16, 1, 1), (8, 128, 16, 4), (2, 256, 4, 8)]
+
+
+@pytest.mark.parametrize("width", [4, 7])
+@pytest.mark.parametrize("tile", FWD_TILES, ids=str)
+def test_triton_fwd_tiles_match_float64(provider, tile, width):
+    """Odd shape, seq_idx and initial states, channel-first and channel-last, one dtype a tile."""
+    block_d, block_l, chunk, warps = tile
+    dtype = DTYPES[FWD_TILES.index(tile) % len(DTYPES)]
+    batch, dim, seqlen = 2, 37, 301
+    ids = np.sort(np.random.randint(0, 4, size=(batch, seqlen)), axis=1)
+    seq_idx = provider.from_numpy(ids, "int32")
+    weight, bias = provider.randn((dim, width), dtype, scale=0.5), provider.randn((dim,), dtype)
+    init = provider.randn((batch, dim, width - 1), dtype)
+    for layout in ("first", "last"):
+        x = _layout(provider, (batch, dim, seqlen), dtype, layout)
+        out = _poisoned_like(provider, x)
+        conv_kernels.causal_conv1d_fwd(x, weight, out, bias, seq_idx, init, activation="silu", block_d=block_d,
+                                       block_l=block_l, chunk=chunk, num_warps=warps)
+        provider.synchronize()
+        ref = conv_reference(provider.to_numpy(x), provider.to_numpy(weight), provider.to_numpy(bias), ids,
+                             provider.to_numpy(init))
+        assert_close(f"out {layout}", provider.to_numpy(out), ref, dtype)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_conv_without_bias_or_activation(provider, backend):
     """No bias, identity activation, width 3, fp32: exact enough for the float32 bound."""

@@ -11,9 +11,11 @@ Shapes (``b`` batch, ``d`` dim, ``l`` seqlen, ``w`` width, any width >= 1):
     out[b, d, t] = act(bias[d] + sum_k weight[d, k] * x[b, d, t - (w-1) + k]),  act = identity or silu,
     where x at a position of another sequence (``seq_idx``) counts as 0.
 
-Memory-bound: the forward reads x from DRAM once and writes out; the backward reads x and dout
-once, recomputes each pre-activation once (a thread holds runs of consecutive positions, so the
-shifts are its own registers), writes dx (and the initial states' gradient) and accumulates
+Memory-bound: both passes hold runs of CHUNK consecutive positions in a thread (16 bytes of a
+channel-first row: vector loads and stores), so the shifted inputs a position needs are that
+thread's registers plus the tail of the chunk before it, loaded again (an L1/L2 hit). The forward
+reads x from DRAM once and writes out; the backward reads x and dout once, computes each
+pre-activation and its silu' once, writes dx (and the initial states' gradient) and accumulates
 dweight/dbias in registers over the program's tile, then adds them with one fp32 atomic per program,
 dim and tap.
 
@@ -32,12 +34,12 @@ from ...runtime import tensor as T
 ACTIVATIONS = {None: False, "silu": True, "swish": True}
 
 
-# Tiles are [BLOCK_D, BLOCK_L] (dims x positions). Triton lays a tile out along whichever axis the
-# strides make contiguous (seqlen for channel-first x, dim for channel-last), so every load and
-# store is coalesced. The inputs shifted by -(w-1) .. w-1 positions are separate loads of the same
-# tile pattern: one reaches DRAM, the others hit L1/L2 (the shifted tiles overlap it), which keeps
-# the kernels at one DRAM read of x (and dout) and one write of out (dx). Shifted tiles live in
-# tuples indexed by compile-time shifts.
+# Tiles are [BLOCK_D, BLOCK_L] (dims x positions), as 3-D [BLOCK_D, BLOCK_L / CHUNK, CHUNK] in the
+# chunked passes. Triton lays a tile out along whichever axis the strides make contiguous (seqlen
+# for channel-first x, dim for channel-last), so every load and store is coalesced. Position-shifted
+# inputs live in tuples indexed by compile-time shifts: the CHUNK slices of the chunks (``_unpack``),
+# or, for the few positions of the initial states' gradient, whole tiles loaded at shifted positions
+# (``_shifted``).
 
 
 @triton.jit
@@ -88,6 +90,13 @@ def _shifted(x_cols, init_cols, sid_row, pos, mask_d, seqlen, s_x_l, s_i_k, s_si
 
 
 @triton.jit
+def _sigmoid(v):
+    """1 / (1 + exp(-v)) with a fast (2-ulp) divide, which gives 0 where exp(-v) overflows; the
+    forward and backward are memory-bound only while their per-position instruction count is small."""
+    return tl.fdiv(1.0, 1.0 + tl.exp(-v), ieee_rounding=False)
+
+
+@triton.jit
 def _preact(xs, sids, taps, bias, AT: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, WIDTH: tl.constexpr):
     """bias + sum_k w[k] x[t - (w-1) + k] at the positions of tile xs[AT] (xs[AT - s] is shifted by
     -s); inputs of another sequence count as 0."""
@@ -98,31 +107,6 @@ def _preact(xs, sids, taps, bias, AT: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, W
             v = tl.where(sids[AT - (WIDTH - 1) + k] == sids[AT], v, 0.0)
         acc += taps[k] * v
     return acc
-
-
-@triton.jit
-def _causal_conv1d_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_idx_ptr, init_ptr, out_ptr,
-                              dim, seqlen, s_x_b, s_x_d, s_x_l, s_w_d, s_w_k, s_si_b, s_si_l,
-                              s_i_b, s_i_d, s_i_k, s_o_b, s_o_d, s_o_l,
-                              WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
-                              HAS_INIT: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr,
-                              BLOCK_L: tl.constexpr):
-    pos = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
-    b64 = tl.program_id(2).to(tl.int64)
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    d64 = d.to(tl.int64)
-    mask_d = d < dim
-    x_cols = x_ptr + b64 * s_x_b + d64[:, None] * s_x_d
-    init_cols = init_ptr + b64 * s_i_b + d64[:, None] * s_i_d
-    taps = _load_taps(w_ptr, d64, mask_d, s_w_d, s_w_k, WIDTH)
-    bias = tl.load(bias_ptr + d, mask=mask_d, other=0.0).to(tl.float32)[:, None] if HAS_BIAS else 0.0
-    xs, sids = _shifted(x_cols, init_cols, seq_idx_ptr + b64 * s_si_b, pos, mask_d, seqlen, s_x_l, s_i_k, s_si_l,
-                        1 - WIDTH, WIDTH, HAS_INIT, HAS_SEQ_IDX, WIDTH)
-    pre = _preact(xs, sids, taps, bias, WIDTH - 1, HAS_SEQ_IDX, WIDTH)
-    if SILU:
-        pre = pre * tl.sigmoid(pre)
-    tl.store(out_ptr + b64 * s_o_b + d64[:, None] * s_o_d + pos.to(tl.int64)[None, :] * s_o_l,
-             pre.to(out_ptr.dtype.element_ty), mask=mask_d[:, None] & (pos < seqlen)[None, :])
 
 
 @triton.jit
@@ -140,7 +124,7 @@ def _conv_grads(x_cols, init_cols, sid_row, do_cols, pos, mask_d, seqlen, s_x_l,
                        mask=mask_d[:, None] & ((at >= 0) & (at < seqlen))[None, :], other=0.0).to(tl.float32)
         if SILU:
             pre = _preact(xs, sids, taps, bias, WIDTH - 1 + s, HAS_SEQ_IDX, WIDTH)
-            sig = tl.sigmoid(pre)
+            sig = _sigmoid(pre)
             dpre = dpre * sig * (1.0 + pre * (1.0 - sig))
         if HAS_SEQ_IDX:
             dpre = tl.where(sids[WIDTH - 1 + s] == sids[WIDTH - 1], dpre, 0.0)
@@ -193,6 +177,57 @@ def _load_sid_chunks(sid_row, pos, seqlen, s_si_l, LOG2_CHUNK: tl.constexpr):
     """Sequence ids at ``pos`` [1, n, CHUNK] (clamped as in ``_load_sid``), unpacked into [1, n, 1] tiles."""
     clamped = tl.minimum(tl.maximum(pos, 0), seqlen - 1).to(tl.int64)
     return _unpack(tl.load(sid_row + clamped * s_si_l).to(tl.int64), LOG2_CHUNK)
+
+
+@triton.jit
+def _causal_conv1d_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_idx_ptr, init_ptr, out_ptr,
+                              dim, seqlen, s_x_b, s_x_d, s_x_l, s_w_d, s_w_k, s_si_b, s_si_l,
+                              s_i_b, s_i_d, s_i_k, s_o_b, s_o_d, s_o_l,
+                              WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
+                              HAS_INIT: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr,
+                              BLOCK_L: tl.constexpr, LOG2_CHUNK: tl.constexpr):
+    # A program owns [BLOCK_D, BLOCK_L] as BLOCK_L / CHUNK chunks of CHUNK consecutive positions, each
+    # chunk in one thread (channel-first: CHUNK = 16 bytes, one vector load; channel-last: CHUNK 1
+    # and the tile is contiguous along dim). The w-1 inputs before a chunk are the tail of the HALO
+    # chunks before it: HALO more loads of the same aligned pattern, which hit L1/L2, so x is read
+    # from DRAM once and every access stays vectorised (shifted loads by 1..w-1 positions would not be).
+    CHUNK: tl.constexpr = 1 << LOG2_CHUNK
+    HALO: tl.constexpr = (WIDTH - 1 + CHUNK - 1) // CHUNK
+    b64 = tl.program_id(2).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d64 = d.to(tl.int64)
+    mask_d = d < dim
+    taps = _load_taps(w_ptr, d64, mask_d, s_w_d, s_w_k, WIDTH)
+    taps3 = ()
+    for k in tl.static_range(WIDTH):
+        taps3 = taps3 + (taps[k][:, :, None],)
+    bias3 = tl.load(bias_ptr + d, mask=mask_d, other=0.0).to(tl.float32)[:, None, None] if HAS_BIAS else 0.0
+    # 3-D tiles [BLOCK_D, chunks, CHUNK]
+    d3 = d64[:, None, None]
+    mask_d3 = mask_d[:, None, None]
+    pos = tl.program_id(0) * BLOCK_L + (tl.arange(0, BLOCK_L // CHUNK)[:, None] * CHUNK
+                                        + tl.arange(0, CHUNK)[None, :])[None, :, :]
+    x_cols = x_ptr + b64 * s_x_b + d3 * s_x_d
+    init_cols = init_ptr + b64 * s_i_b + d3 * s_i_d
+    sid_row = seq_idx_ptr + b64 * s_si_b
+    # xs[HALO * CHUNK + q]: x at chunk offset q = -HALO * CHUNK .. CHUNK - 1
+    xs = ()
+    sids = ()
+    for h in tl.static_range(HALO + 1):
+        at = pos + (h - HALO) * CHUNK
+        xs = xs + _load_chunks(x_cols, init_cols, at, mask_d3, seqlen, s_x_l, s_i_k, HAS_INIT, WIDTH, LOG2_CHUNK)
+        if HAS_SEQ_IDX:
+            sids = sids + _load_sid_chunks(sid_row, at, seqlen, s_si_l, LOG2_CHUNK)
+    if not HAS_SEQ_IDX:
+        sids = xs  # unused
+    outs = ()
+    for j in tl.static_range(CHUNK):
+        pre = _preact(xs, sids, taps3, bias3, HALO * CHUNK + j, HAS_SEQ_IDX, WIDTH)
+        if SILU:
+            pre = pre * _sigmoid(pre)
+        outs = outs + (pre,)
+    tl.store(out_ptr + b64 * s_o_b + d3 * s_o_d + pos.to(tl.int64) * s_o_l,
+             _pack(outs, LOG2_CHUNK).to(out_ptr.dtype.element_ty), mask=mask_d3 & (pos < seqlen))
 
 
 @triton.jit
@@ -257,7 +292,7 @@ def _causal_conv1d_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_idx_ptr, init_ptr, dou
         g = douts[j]
         if SILU:
             pre = _preact(xs, sids, taps3, bias3, CHUNK + j, HAS_SEQ_IDX, WIDTH)
-            sig = tl.sigmoid(pre)
+            sig = _sigmoid(pre)
             g = g * sig * (1.0 + pre * (1.0 - sig))
         dpres = dpres + (g,)
 
@@ -370,28 +405,42 @@ def check_activation(activation):
 
 
 def tiles(x, dim: int, seqlen: int, width: int, backward: bool, block_d=None, block_l=None, segment=None,
-          num_warps=None):
+          num_warps=None, chunk=None):
     """(BLOCK_D, BLOCK_L, BLOCK_W, CHUNK, num_warps); a program is one [BLOCK_D, BLOCK_L] tile, ``segment``
-    caps BLOCK_L. Channel-first x (seqlen contiguous): few dims and a long run of positions a tile;
-    otherwise (dim contiguous or any strides) the transpose. The backward's CHUNK (consecutive positions
-    a thread holds: 16 bytes of x, at least w - 1) divides BLOCK_L. Defaults from the H200 sweep at
-    [8, 4096, 2048] bf16 (benchmarks/cases/causal_conv1d.py): channel-first forward tiles from 4 x 256
-    to 16 x 128 all time 0.108-0.114 ms."""
+    caps BLOCK_L. Channel-first x (seqlen contiguous): one row's run of positions a tile (2048 in the
+    forward, 1024 in the backward; more dims when the rows are shorter) and 16 positions a thread, as
+    CHUNK-long runs (16 bytes of x; the backward also at least w - 1). Otherwise (dim contiguous or
+    any strides) the transpose, CHUNK 1 in the forward. CHUNK divides BLOCK_L.
+    The H200 sweep at [8, 4096, 2048] bf16, width 4 (device round A, 2026-11-30) chose these: forward
+    1 x 2048 / 4 warps 0.071 ms (2 x 1024 / 4 0.077, 2 x 512 / 2 0.077, 4 x 512 / 4 0.082, 16
+    positions a thread in all the best; 8 a thread 0.083-0.085, 32 a thread 0.081; 16-position chunks
+    0.126-0.158); backward 1 x 1024 / 2 warps 0.148 ms (1 x 2048 / 4 0.151, 2 x 1024 / 4 0.154,
+    16-position chunks 0.28-0.37)."""
     seq_major = T.strides(x)[2] == 1 or seqlen == 1
-    chunk = max(16 // T.itemsize(x), triton.next_power_of_2(max(width - 1, 1))) if backward else 1
+    if chunk is None:
+        vector = 16 // T.itemsize(x) if seq_major or backward else 1
+        chunk = max(vector, triton.next_power_of_2(max(width - 1, 1))) if backward else vector
     if seq_major:
-        block_d = block_d or min(2 if backward else 4, triton.next_power_of_2(dim))
-        block_l = block_l or min(1024 if backward else 512, triton.next_power_of_2(seqlen))
+        run = 1024 if backward else 2048
+        block_l = block_l or min(run, triton.next_power_of_2(seqlen))
+        block_d = block_d or min(triton.next_power_of_2(dim),
+                                 max(1, run // block_l, triton.next_power_of_2(triton.cdiv(dim, 65535))))
+        per_thread = 16
     else:
         block_d = block_d or min(64 if backward else 128, triton.next_power_of_2(dim))
         block_l = block_l or min(32 if backward else 16, triton.next_power_of_2(seqlen))
+        per_thread = 8
     if segment is not None:
         block_l = min(block_l, segment)
     block_l = max(block_l, chunk)
-    for name, value in (("block_d", block_d), ("block_l", block_l)):
+    if triton.cdiv(dim, block_d) > 65535:  # the grid's second axis
+        raise ValueError(f"block_d: {block_d} leaves more than 65535 tiles along dim {dim}")
+    for name, value in (("block_d", block_d), ("block_l", block_l), ("chunk", chunk)):
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name}: expected a power of two, got {value}")
-    warps = num_warps or max(1, min(4, block_d * block_l // 256))
+    if backward and chunk < width - 1:
+        raise ValueError(f"chunk: the backward needs at least width - 1 = {width - 1} positions a thread, got {chunk}")
+    warps = num_warps or max(1, min(4, block_d * block_l // (32 * per_thread)))
     return block_d, block_l, triton.next_power_of_2(width), chunk, warps
 
 
@@ -421,21 +470,22 @@ def conv_args(x, weight, bias, seq_idx, initial_states):
 
 
 def causal_conv1d_fwd(x, weight, out, bias=None, seq_idx=None, initial_states=None, activation=None,
-                      block_d=None, block_l=None, segment=None, num_warps=None) -> None:
+                      block_d=None, block_l=None, segment=None, num_warps=None, chunk=None) -> None:
     """out[b, d, l] = act(causal depthwise conv of x), written in place. ``block_d``/``block_l``/
-    ``num_warps`` override the tile (``segment``: at most that many positions a tile)."""
+    ``num_warps``/``chunk`` override the tile (``segment``: at most that many positions a tile)."""
     silu = check_activation(activation)
     batch, dim, seqlen, width, si_st, init_st = conv_args(x, weight, bias, seq_idx, initial_states)
     T.check_same_shape("out", out, (batch, dim, seqlen))
     if batch * dim * seqlen == 0:
         return
-    block_d, block_l, _, _, warps = tiles(x, dim, seqlen, width, False, block_d, block_l, segment, num_warps)
+    block_d, block_l, _, chunk, warps = tiles(x, dim, seqlen, width, False, block_d, block_l, segment, num_warps,
+                                              chunk)
     grid = (triton.cdiv(seqlen, block_l), triton.cdiv(dim, block_d), batch)
     _causal_conv1d_fwd_kernel[grid](x, weight, _or(bias, x), _or(seq_idx, x), _or(initial_states, x), out, dim,
                                     seqlen, *T.strides(x), *T.strides(weight), *si_st, *init_st, *T.strides(out),
                                     WIDTH=width, HAS_BIAS=bias is not None, HAS_SEQ_IDX=seq_idx is not None,
                                     HAS_INIT=initial_states is not None, SILU=silu, BLOCK_D=block_d, BLOCK_L=block_l,
-                                    num_warps=warps)
+                                    LOG2_CHUNK=chunk.bit_length() - 1, num_warps=warps)
 
 
 def check_grad_buffers(dout, dx, dweight, bias, dbias, batch, dim, seqlen, width) -> None:
@@ -455,10 +505,11 @@ def check_grad_buffers(dout, dx, dweight, bias, dbias, batch, dim, seqlen, width
 
 def causal_conv1d_bwd(x, weight, dout, dx, dweight, bias=None, dbias=None, seq_idx=None, initial_states=None,
                       dinitial_states=None, activation=None, block_d=None, block_l=None, segment=None,
-                      num_warps=None) -> None:
+                      num_warps=None, chunk=None) -> None:
     """Gradients of the conv. Written in place: dx [b, d, l] and dinitial_states [b, d, w-1] (when
     initial_states is given). Accumulated (+=, float32 contiguous, the caller zeroes them):
-    dweight [d, w] and dbias [d] (when bias is given). ``segment``: at most that many positions a program."""
+    dweight [d, w] and dbias [d] (when bias is given). ``block_d``/``block_l``/``num_warps``/``chunk``
+    override the tile (``segment``: at most that many positions a program)."""
     silu = check_activation(activation)
     batch, dim, seqlen, width, si_st, init_st = conv_args(x, weight, bias, seq_idx, initial_states)
     check_grad_buffers(dout, dx, dweight, bias, dbias, batch, dim, seqlen, width)
@@ -471,7 +522,7 @@ def causal_conv1d_bwd(x, weight, dout, dx, dweight, bias=None, dbias=None, seq_i
     if batch * dim * seqlen == 0:
         return
     block_d, block_l, block_w, chunk, warps = tiles(x, dim, seqlen, width, True, block_d, block_l, segment,
-                                                    num_warps)
+                                                    num_warps, chunk)
     grid = (triton.cdiv(seqlen, block_l), triton.cdiv(dim, block_d), batch)
     _causal_conv1d_bwd_kernel[grid](x, weight, _or(bias, x), _or(seq_idx, x), _or(initial_states, x), dout, dx,
                                     dweight, _or(dbias, x), _or(dinitial_states, x), dim, seqlen,
