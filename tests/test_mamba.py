@@ -6,6 +6,9 @@ recurrences written here independently of the library (sequential scan, ``F.conv
 Shapes are tiny (the interpreter runs the custom-combine scan element by element) but odd: dim 6,
 dstate 3, seqlen 37 crosses chunk (8) and segment boundaries of the scan."""
 
+import importlib.util
+import pathlib
+
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -16,8 +19,10 @@ from paddlenlp_fused.kernels.triton import causal_conv1d as conv_kernels
 from paddlenlp_fused.kernels.triton import selective_scan as scan_kernels
 from paddlenlp_fused.layers.mamba import MambaInferenceCache, MambaMixer
 from paddlenlp_fused.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from paddlenlp_fused.ops import mamba as mamba_ops
 from paddlenlp_fused.ops.mamba import (_cuda_dtype_issue, _scan_unsupported, mamba_inner_fn, selective_scan_fn,
                                        selective_state_update)
+from paddlenlp_fused.reference.mamba import mamba_inner_ref, selective_scan_ref
 from paddlenlp_fused.runtime.backend import BackendUnavailableError
 from paddlenlp_fused.runtime.triton_paddle import triton_args
 from paddlenlp_fused.testing.numerics import assert_close
@@ -173,14 +178,20 @@ def test_scan_launchers_cross_many_chunks_and_segments():
                [du, ddelta, acc[0], acc[1], acc[2], acc[3], dz, acc[4]], grads64, "float32")
 
 
-def test_complex_A_on_the_reference_path():
-    """Complex A (mamba_ssm's convention: output 2 Re(C h)); fixed complex B/C and variable real
-    (re, im)-interleaved B. Triton refuses it by name."""
-    batch, dim, dstate, seqlen = 2, 4, 3, 9
+def _complex_inputs(batch=2, dim=4, dstate=3, seqlen=9):
+    """u, delta, complex A, real (re, im)-interleaved input-dependent B, fixed complex C."""
     u, delta = _leaf((batch, dim, seqlen)), _leaf((batch, dim, seqlen), scale=0.3, offset=0.2)
     A = paddle.complex(_leaf((dim, dstate), offset=-1.0).detach(), _leaf((dim, dstate)).detach())
     C = paddle.complex(_leaf((dim, dstate)).detach(), _leaf((dim, dstate)).detach())
-    B_pairs = _leaf((batch, dstate, 2 * seqlen))
+    A.stop_gradient = C.stop_gradient = False
+    return u, delta, A, _leaf((batch, dstate, 2 * seqlen)), C
+
+
+def test_complex_A_on_the_reference_path():
+    """Complex A (mamba_ssm's convention: output 2 Re(C h)); fixed complex C and variable real
+    (re, im)-interleaved B. Triton refuses it by name; CUDA takes it (tests/gpu)."""
+    u, delta, A, B_pairs, C = _complex_inputs()
+    batch, dstate = u.shape[0], A.shape[1]
     out = selective_scan_fn(u, delta, A, B_pairs, C, backend="auto")
     du, dB = paddle.grad(out, [u, B_pairs], paddle.ones_like(out))
     u64, delta64, B64 = as_leaf64(u), as_leaf64(delta), as_leaf64(B_pairs)
@@ -190,9 +201,147 @@ def test_complex_A_on_the_reference_path():
     assert_close("complex out", out.numpy(), y64.numpy(), "float32")
     assert_close("complex du", du.numpy(), du64.numpy(), "float32")
     assert_close("complex dB", dB.numpy(), dB64.numpy(), "float32")
-    with pytest.raises(BackendUnavailableError, match="complex A"):
+    with pytest.raises(BackendUnavailableError, match="complex A runs on the cuda and reference backends only"):
         selective_scan_fn(u, delta, A, B_pairs, C, backend="triton")
-    assert _scan_unsupported(True, batch, dstate)("cuda") == "complex A runs on the reference backend only"
+    assert _scan_unsupported(True, batch, dstate)("cuda") is None
+
+
+def test_complex_A_cuda_routing_and_launcher_checks():
+    """Which complex cases the CUDA scan takes (complex64 A and fixed B/C, real input-dependent
+    pairs), and the launcher's checks of complex A's tensors (made before the library is touched)."""
+    u, delta, A, B_pairs, C = _complex_inputs()
+    seqlen = u.shape[2]
+    with pytest.raises(BackendUnavailableError, match="'cuda' cannot run: the CUDA backend needs GPU tensors"):
+        selective_scan_fn(u, delta, A, B_pairs, C, backend="cuda")
+    assert _cuda_dtype_issue(u, delta, None, A, B_pairs, C) is None
+    assert _cuda_dtype_issue(u, delta, None, A.astype("complex128"), B_pairs, C) == \
+        "A is complex128 (the CUDA scan takes complex64 for complex A)"
+    assert _cuda_dtype_issue(u, delta, None, A, paddle.real(C), B_pairs) == \
+        "fixed B is float32 with complex A (the CUDA scan takes complex64)"
+    assert _cuda_dtype_issue(u, delta, None, A, B_pairs.astype("float64"), C).startswith("float64 input")
+    out = paddle.empty_like(u)
+    with pytest.raises(ValueError, match=r"B: expected \[batch, \(groups,\) dstate, 2 \* seqlen = 18\]"):
+        cuda_scan.selective_scan_fwd(u, delta, A, B_pairs[..., :seqlen], C, out)
+    with pytest.raises(TypeError, match="C: expected complex64 \\(complex A, fixed\\), got float32"):
+        cuda_scan.selective_scan_fwd(u, delta, A, B_pairs, paddle.real(C), out)
+    with pytest.raises(TypeError, match="C: expected a real float dtype \\(real A, fixed\\), got complex64"):
+        cuda_scan.selective_scan_fwd(u, delta, paddle.real(A), B_pairs[..., :seqlen], C, out)
+
+
+def _complex_scan_reference():
+    """The float64 numpy recurrence and hand-written adjoint of tests/gpu/test_selective_scan_complex.py
+    (checked against central differences there)."""
+    path = pathlib.Path(__file__).parent / "gpu" / "test_selective_scan_complex.py"
+    spec = importlib.util.spec_from_file_location("_gpu_complex_scan", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.complex_scan_reference
+
+
+class _CudaStandIn:
+    """kernels/cuda/selective_scan's launchers for complex A on CPU tensors, computed by the float64
+    numpy recurrence, so that the ops' PyLayer glue for complex A runs here (complex64 states, last
+    state and accumulators; gradients back to complex A, C and the real pairs of B). The kernels
+    themselves are checked in tests/gpu."""
+
+    states_shape = staticmethod(cuda_scan.states_shape)
+    workspace_shape = staticmethod(cuda_scan.workspace_shape)
+
+    def __init__(self):
+        self.reference = _complex_scan_reference()
+
+    @staticmethod
+    def scan_plan(seqlen):
+        return cuda_scan.ScanPlan(256, max(1, -(-seqlen // 256)))
+
+    @staticmethod
+    def _numpy(*tensors):
+        return [None if t is None else t.numpy().astype(np.complex128 if t.is_complex() else np.float64)
+                for t in tensors]
+
+    @staticmethod
+    def _write(target, value, accumulate=False):
+        value = paddle.to_tensor(value.astype(np.complex64 if target.is_complex() else np.float32))
+        paddle.assign((target + value if accumulate else value).astype(target.dtype), output=target)
+
+    def selective_scan_fwd(self, u, delta, A, B, C, out, D, z, delta_bias, states, last_state, delta_softplus, plan):
+        assert A.dtype == states.dtype == paddle.complex64
+        assert last_state is None or last_state.dtype == paddle.complex64
+        y, h = self.reference(*self._numpy(u, delta, A, B, C, D, z, delta_bias), softplus=delta_softplus)
+        self._write(out, y)
+        if last_state is not None:
+            self._write(last_state, h)
+
+    def selective_scan_bwd(self, u, delta, A, B, C, dout, states, workspace, du, ddelta, dA, dB, dC, D, z,
+                           delta_bias, dD, dz, ddelta_bias, out_z, delta_softplus, plan):
+        for g, t in ((dA, A), (dB, B), (dC, C)):  # complex64 exactly where the input is
+            assert g.dtype == (paddle.complex64 if t.is_complex() else paddle.float32)
+        y, _, grads, _ = self.reference(*self._numpy(u, delta, A, B, C, D, z, delta_bias), softplus=delta_softplus,
+                                        dout=self._numpy(dout)[0])
+        for target, name in ((du, "du"), (ddelta, "ddelta"), (dz, "dz")):
+            if target is not None:
+                self._write(target, grads[name])
+        if out_z is not None:
+            self._write(out_z, y)
+        for target, name in ((dA, "dA"), (dB, "dB"), (dC, "dC"), (dD, "dD"), (ddelta_bias, "ddelta_bias")):
+            if target is not None:
+                self._write(target, grads[name], accumulate=True)
+
+
+def _as_pairs(x):
+    return np.stack([x.real, x.imag], -1) if np.iscomplexobj(x) else x
+
+
+def _leaf64(t):
+    """A float64 (complex128) leaf with t's values."""
+    leaf = paddle.to_tensor(t.numpy().astype(np.complex128)) if t.is_complex() else paddle.to_tensor(to64(t))
+    leaf.stop_gradient = False
+    return leaf
+
+
+def test_complex_A_through_the_cuda_pylayer(monkeypatch):
+    """selective_scan_fn's PyLayer on the CUDA path with complex A (launchers stood in), against the
+    reference in float64."""
+    u, delta, A, B_pairs, C = _complex_inputs()
+    D, z, bias = _leaf((u.shape[1],)), _leaf(u.shape), _leaf((u.shape[1],), scale=0.3)
+    inputs = [u, delta, A, B_pairs, C, D, z, bias]
+    inputs64 = [_leaf64(t) for t in inputs]
+    ref_out, ref_last = selective_scan_ref(*inputs64, delta_softplus=True, return_last_state=True)
+    monkeypatch.setitem(mamba_ops._SCAN_KERNELS, "cuda", _CudaStandIn())
+    monkeypatch.setattr(mamba_ops, "resolve_backend", lambda *args, **kwargs: "cuda")
+    out, last = selective_scan_fn(*inputs, delta_softplus=True, return_last_state=True, backend="cuda")
+    assert last.dtype == paddle.complex64 and out.dtype == u.dtype
+    assert_close("out", out.numpy(), ref_out.numpy(), "float32")
+    assert_close("last_state", _as_pairs(last.numpy()), _as_pairs(ref_last.numpy()), "float32")
+    dout = randn(out.shape)
+    got = paddle.grad(out, inputs, dout)
+    want = paddle.grad(ref_out, inputs64, paddle.to_tensor(to64(dout)))
+    for name, g, w, t in zip(("du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias"), got, want, inputs):
+        assert g.dtype == t.dtype, name
+        assert_close(name, _as_pairs(g.numpy()), _as_pairs(w.numpy()), "float32")
+
+
+def test_complex_A_through_mamba_inner_cuda_path(monkeypatch):
+    """mamba_inner_fn's PyLayer on the CUDA path with complex A (scan launchers stood in): B and C
+    projected from x_proj's rows as (re, im) pairs, their gradients folded back into those rows and the
+    projection biases; against the reference composition in float64."""
+    dim, dstate = 8, 3
+    a = _inner_inputs(dim=dim, dstate=2 * dstate)  # x_proj [dim, r + 2 * 2n], B/C biases [2n]
+    a["A"] = paddle.complex(paddle.to_tensor(-np.exp(np.random.randn(dim, dstate) * 0.5).astype(np.float32)),
+                            paddle.to_tensor((np.random.randn(dim, dstate) * 2).astype(np.float32)))
+    a["A"].stop_gradient = False
+    names = sorted(a)
+    a64 = {n: _leaf64(t) for n, t in a.items()}
+    y64 = mamba_inner_ref(**a64)
+    monkeypatch.setitem(mamba_ops._SCAN_KERNELS, "cuda", _CudaStandIn())
+    monkeypatch.setattr(mamba_ops, "resolve_backend", lambda *args, **kwargs: "cuda")
+    out = mamba_inner_fn(**a, backend="cuda")
+    assert_close("out", out.numpy(), y64.numpy(), "float32")
+    dout = randn(out.shape)
+    grads = paddle.grad(out, [a[n] for n in names], dout)
+    grads64 = paddle.grad(y64, [a64[n] for n in names], paddle.to_tensor(to64(dout)))
+    for name, g, w in zip(names, grads, grads64):
+        assert_close(f"d{name}", _as_pairs(g.numpy()), _as_pairs(w.numpy()), "float32")
 
 
 def test_scan_cuda_backend_on_cpu_and_its_limits():

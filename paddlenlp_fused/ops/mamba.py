@@ -4,10 +4,13 @@ Signatures follow ``mamba_ssm`` as a superset (plus ``backend=``); the causal co
 ``ops/causal_conv1d.py``:
 
 * ``selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-  return_last_state=False)``: u, delta, z ``[batch, dim, seqlen]``; A ``[dim, dstate]`` (complex A on
-  the reference backend only); B, C ``[dim, dstate]``, ``[batch, dstate, seqlen]`` or
+  return_last_state=False)``: u, delta, z ``[batch, dim, seqlen]``; A ``[dim, dstate]`` real or
+  complex (mamba_ssm's convention: then fixed B/C are complex ``[dim, dstate]``, input-dependent B/C
+  real ``[batch, (groups,) dstate, 2 * seqlen]`` holding (re, im) pairs, and y is
+  ``2 Re(sum_n C h)``); B, C ``[dim, dstate]``, ``[batch, dstate, seqlen]`` or
   ``[batch, groups, dstate, seqlen]``; D, delta_bias ``[dim]``. Returns ``y * silu(z)`` (or y) in u's
-  dtype, and with ``return_last_state`` the final state ``[batch, dim, dstate]`` (float32, no gradient).
+  dtype, and with ``return_last_state`` the final state ``[batch, dim, dstate]`` (float32, complex64
+  for complex A; no gradient).
 * ``selective_state_update``: one decoding step, state updated in place (no autograd).
 * ``mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight,
   out_proj_weight, out_proj_bias, A, B=None, C=None, D=None, delta_bias=None, B_proj_bias=None,
@@ -18,8 +21,9 @@ Signatures follow ``mamba_ssm`` as a superset (plus ``backend=``); the causal co
 
 Backends of the scan (``selective_scan_fn`` and the scan inside ``mamba_inner_fn``): ``cuda``
 (``csrc/selective_scan.cu``), ``triton`` (``kernels/triton/selective_scan.py``), both inside PyLayers
-with matmuls by Paddle, and ``reference`` (pure Paddle, float32). Complex A runs on the reference
-backend only (asking a GPU backend for it raises ``BackendUnavailableError``).
+with matmuls by Paddle, and ``reference`` (pure Paddle, float32). Complex A runs on the ``cuda`` and
+``reference`` backends (``auto`` takes CUDA for it on the GPU); asking Triton for it raises
+``BackendUnavailableError``.
 """
 
 from __future__ import annotations
@@ -41,11 +45,12 @@ from .causal_conv1d import conv_launch_bwd, conv_launch_fwd, conv_weight
 IMPLEMENTED = ("triton", "reference")
 SCAN_IMPLEMENTED = ("cuda", "triton", "reference")
 _SCAN_KERNELS = {"cuda": cuda_scan, "triton": scan_kernels}
-# ``auto`` on the GPU: the order the scan's backends are tried in, Triton first in every case. On the
-# H200 at the canonical [8, 4096, 2048] dstate 16 bf16 case (benchmarks/results/selective_scan.json,
-# 2026-11-30) the Triton kernels took fwd 0.73 / bwd 5.35 ms, the CUDA ones 2.20 / 6.13 ms at their
-# best launch configuration; CUDA runs when Triton cannot (or when asked for).
+# ``auto`` on the GPU: the order the scan's backends are tried in for real A, Triton first. On the H200
+# at the canonical [8, 4096, 2048] dstate 16 bf16 case (2026-11-30, round A runs) the Triton kernels
+# took fwd 0.575 / bwd 2.98 ms, the CUDA ones 2.20 / 6.16 ms; CUDA runs when Triton cannot (complex
+# A among them: Triton takes real A only) or when asked for.
 SCAN_AUTO_ORDER = ("triton", "cuda")
+COMPLEX_A_BACKENDS = ("cuda", "reference")  # the Triton scan takes real A only
 CUDA_MAX_DSTATE = 256  # shared-memory carries of csrc/selective_scan.cu
 CUDA_MAX_BATCH = 65535  # grid y
 _COMPLEX = (paddle.complex64, paddle.complex128)
@@ -100,13 +105,24 @@ def _check_scan_args(u, delta, A, B, C, D, z, delta_bias):
 # selective scan
 
 
-def _cuda_dtype_issue(u, delta, z, *others):
+def _cuda_dtype_issue(u, delta, z, A=None, B=None, C=None, D=None, delta_bias=None):
     """Why the CUDA scan cannot take these dtypes (delta and z in u's dtype; every tensor float32,
-    float16 or bfloat16), or None."""
+    float16 or bfloat16, except that complex A and the fixed B/C that go with it are complex64), or
+    None."""
     for name, t in (("delta", delta), ("z", z)):
         if t is not None and t.dtype != u.dtype:
             return f"{name} is {T.dtype_name(t)}, u is {T.dtype_name(u)} (the CUDA scan wants one dtype)"
-    for t in (u,) + others:
+    complex_A = A is not None and A.dtype in _COMPLEX
+    if complex_A and A.dtype != paddle.complex64:
+        return f"A is {T.dtype_name(A)} (the CUDA scan takes complex64 for complex A)"
+    real = [u, D, delta_bias] + ([] if complex_A else [A])
+    for name, t in (("B", B), ("C", C)):
+        if complex_A and t is not None and t.ndim == 2:  # fixed B/C go with A
+            if t.dtype != paddle.complex64:
+                return f"fixed {name} is {T.dtype_name(t)} with complex A (the CUDA scan takes complex64)"
+        else:
+            real.append(t)
+    for t in real:
         if t is not None and T.dtype_name(t) not in T.FLOAT_DTYPES:
             return f"{T.dtype_name(t)} input (the CUDA scan takes {', '.join(T.FLOAT_DTYPES)})"
     return None
@@ -115,8 +131,8 @@ def _cuda_dtype_issue(u, delta, z, *others):
 def _scan_unsupported(complex_A, batch, dstate, cuda_dtype_issue=None):
     """Why a GPU backend cannot take this scan (``resolve_backend``'s ``unsupported``), or None."""
     def why(name):
-        if complex_A and name != "reference":
-            return "complex A runs on the reference backend only"
+        if complex_A and name not in COMPLEX_A_BACKENDS:
+            return f"complex A runs on the {' and '.join(COMPLEX_A_BACKENDS)} backends only"
         if name == "cuda" and dstate > CUDA_MAX_DSTATE:
             return f"dstate {dstate} > {CUDA_MAX_DSTATE}"
         if name == "cuda" and batch > CUDA_MAX_BATCH:
@@ -139,8 +155,9 @@ def _scan_launch_fwd(backend, u, delta, A, B, C, D, z, delta_bias, delta_softplu
     kernels = _SCAN_KERNELS[backend]
     plan = kernels.scan_plan(seqlen)
     out = empty_on(u.shape, u.dtype, u)
-    states = empty_on(kernels.states_shape(batch, dim, dstate, plan), "float32", u) if want_states else None
-    last = empty_on([batch, dim, dstate], "float32", u) if want_last else None
+    state_dtype = "complex64" if A.dtype in _COMPLEX else "float32"  # complex A (CUDA): complex states
+    states = empty_on(kernels.states_shape(batch, dim, dstate, plan), state_dtype, u) if want_states else None
+    last = empty_on([batch, dim, dstate], state_dtype, u) if want_last else None
     _scan_launch(backend, "selective_scan_fwd", u, delta, A, B, C, out, D, z, delta_bias, states, last,
                  delta_softplus=delta_softplus, plan=plan)
     return out, states, last, plan
@@ -155,7 +172,7 @@ def _scan_launch_bwd(backend, saved, dout, plan, delta_softplus, want_out_z=Fals
     du, ddelta = empty_on(u.shape, u.dtype, u), empty_on(delta.shape, delta.dtype, u)
     dz = None if z is None else empty_on(z.shape, z.dtype, u)
     out_z = empty_on(u.shape, u.dtype, u) if want_out_z and z is not None else None
-    dA, dB, dC = zeros32_on(A.shape, u), zeros32_on(B.shape, u), zeros32_on(C.shape, u)
+    dA, dB, dC = _accumulator(A, u), _accumulator(B, u), _accumulator(C, u)
     dD = None if D is None else zeros32_on(D.shape, u)
     ddb = None if delta_bias is None else zeros32_on(delta_bias.shape, u)
     work_shape = _SCAN_KERNELS[backend].workspace_shape(batch, dim, dstate, plan)
@@ -163,6 +180,13 @@ def _scan_launch_bwd(backend, saved, dout, plan, delta_softplus, want_out_z=Fals
     _scan_launch(backend, "selective_scan_bwd", u, delta, A, B, C, contiguous(dout), states, work, du, ddelta, dA,
                  dB, dC, D, z, delta_bias, dD, dz, ddb, out_z, delta_softplus=delta_softplus, plan=plan)
     return du, ddelta, dA, dB, dC, dD, dz, ddb, out_z
+
+
+def _accumulator(t, like):
+    """A zeroed gradient accumulator for t: complex64 for complex t (complex A), else float32."""
+    if t.dtype in _COMPLEX:
+        return paddle.zeros(list(t.shape), dtype="complex64", device=like.place)
+    return zeros32_on(t.shape, like)
 
 
 class SelectiveScanFunction(PyLayer):
@@ -195,10 +219,11 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
                       return_last_state=False, backend: str = "auto"):
     """Mamba-1 selective scan (see the module docstring). Returns out, or (out, last_state)."""
     complex_A = _check_scan_args(u, delta, A, B, C, D, z, delta_bias)
+    # complex A goes to CUDA directly (trying Triton first would warn of a fallback on every such call)
     chosen = resolve_backend("selective_scan", backend, device_of(u), implemented=SCAN_IMPLEMENTED,
                              unsupported=_scan_unsupported(complex_A, u.shape[0], A.shape[1],
                                                            _cuda_dtype_issue(u, delta, z, A, B, C, D, delta_bias)),
-                             prefer=SCAN_AUTO_ORDER)
+                             prefer=("cuda",) if complex_A else SCAN_AUTO_ORDER)
     if chosen == "reference" or u.size == 0:
         return ref.selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state)
     return SelectiveScanFunction.apply(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus),
@@ -277,10 +302,10 @@ class MambaInnerFunction(PyLayer):
         x, z = contiguous(xz[:, :dim]), contiguous(xz[:, dim:])
         conv_out = conv_launch_fwd(x, conv_w, conv_b, None, None, "silu")
         x_dbl = _mm(x_proj_w, conv_out, transpose_a=True)  # [batch, r + 2 n, seqlen]
-        rank, dstate = delta_proj_w.shape[0], A.shape[1]
+        rank, rows = delta_proj_w.shape[0], _projected_rows(A)
         delta = _mm(delta_proj_w, x_dbl[:, :rank], transpose_a=True)  # [batch, dim, seqlen]
-        B_in = _projected(x_dbl, rank, dstate, B_proj_bias) if B is None else contiguous(B)
-        C_in = _projected(x_dbl, rank + dstate, dstate, C_proj_bias) if C is None else contiguous(C)
+        B_in = _projected(x_dbl, rank, rows, B_proj_bias, A) if B is None else contiguous(B)
+        C_in = _projected(x_dbl, rank + rows, rows, C_proj_bias, A) if C is None else contiguous(C)
         out_z, states, _, plan = _scan_launch_fwd(backend, conv_out, delta, A, B_in, C_in, D, z, delta_bias,
                                                   delta_softplus, True, False)
         out = _mm(out_z, out_proj_w, transpose_a=True)  # [batch, seqlen, d_model]
@@ -299,13 +324,13 @@ class MambaInnerFunction(PyLayer):
         (xz, conv_w, conv_b, x_proj_w, delta_proj_w, out_proj_w, out_proj_b, A, B, C, D, delta_bias, B_proj_bias,
          C_proj_bias, x_dbl, states, conv_out, delta) = ctx.saved_tensor()
         dim = xz.shape[1] // 2
-        rank, dstate = delta_proj_w.shape[0], A.shape[1]
+        rank, rows = delta_proj_w.shape[0], _projected_rows(A)
         x, z = contiguous(xz[:, :dim]), contiguous(xz[:, dim:])
         if conv_out is None:  # checkpoint_lvl 1: recompute
             conv_out = conv_launch_fwd(x, conv_w, conv_b, None, None, "silu")
             delta = _mm(delta_proj_w, x_dbl[:, :rank], transpose_a=True)
-        B_in = _projected(x_dbl, rank, dstate, B_proj_bias) if B is None else contiguous(B)
-        C_in = _projected(x_dbl, rank + dstate, dstate, C_proj_bias) if C is None else contiguous(C)
+        B_in = _projected(x_dbl, rank, rows, B_proj_bias, A) if B is None else contiguous(B)
+        C_in = _projected(x_dbl, rank + rows, rows, C_proj_bias, A) if C is None else contiguous(C)
         dout = contiguous(dout)
         dout_z = _mm(out_proj_w, dout, transpose_b=True)  # [batch, dim, seqlen]
         du, ddelta, dA, dB, dC, dD, dz, ddb, out_z = _scan_launch_bwd(
@@ -315,8 +340,12 @@ class MambaInnerFunction(PyLayer):
         d_out_proj_b = None if out_proj_b is None else dout.astype("float32").sum(axis=[0, 1]).astype(out_proj_b.dtype)
         # gradient of x_dbl [batch, r + 2n, seqlen]: delta's rows, then B's and C's when projected
         parts = [_mm(delta_proj_w, ddelta)]
-        parts.append(cast_like(dB, x_dbl) if B is None else paddle.zeros_like(x_dbl[:, rank:rank + dstate]))
-        parts.append(cast_like(dC, x_dbl) if C is None else paddle.zeros_like(x_dbl[:, rank + dstate:]))
+        if B is None:
+            dB = _unprojected(dB, A)
+        if C is None:
+            dC = _unprojected(dC, A)
+        parts.append(cast_like(dB, x_dbl) if B is None else paddle.zeros_like(x_dbl[:, rank:rank + rows]))
+        parts.append(cast_like(dC, x_dbl) if C is None else paddle.zeros_like(x_dbl[:, rank + rows:]))
         dx_dbl = paddle.concat(parts, axis=1)
         d_delta_proj_w = _batch_sum_mm(x_dbl[:, :rank], ddelta)
         d_x_proj_w = _batch_sum_mm(conv_out, dx_dbl)
@@ -332,10 +361,30 @@ class MambaInnerFunction(PyLayer):
         return grads_for(ctx, [g for g, t in candidates if t is not None])
 
 
-def _projected(x_dbl, start, dstate, bias):
-    """Rows [start, start + dstate) of x_dbl [batch, r + 2n, seqlen] (+ bias [n]), contiguous."""
-    t = x_dbl[:, start:start + dstate]
-    return contiguous(t if bias is None else t + bias.astype(t.dtype)[:, None])
+def _projected_rows(A):
+    """Rows of x_dbl that B (or C) takes: dstate, or 2 dstate ((re, im) per state) for complex A."""
+    return A.shape[1] * (2 if A.dtype in _COMPLEX else 1)
+
+
+def _projected(x_dbl, start, rows, bias, A):
+    """Rows [start, start + rows) of x_dbl [batch, r + 2 rows, seqlen] (+ bias [rows]), contiguous: B or
+    C [batch, dstate, seqlen]; for complex A, rows (dstate, re/im) become mamba_ssm's (re, im) pairs
+    [batch, dstate, 2 seqlen] (as the reference projects them)."""
+    t = x_dbl[:, start:start + rows]
+    if bias is not None:
+        t = t + bias.astype(t.dtype)[:, None]
+    if A.dtype in _COMPLEX:
+        batch, _, seqlen = t.shape
+        t = t.reshape([batch, rows // 2, 2, seqlen]).transpose([0, 1, 3, 2]).reshape([batch, rows // 2, 2 * seqlen])
+    return contiguous(t)
+
+
+def _unprojected(g, A):
+    """The gradient of ``_projected``'s output back in x_dbl's row layout [batch, rows, seqlen]."""
+    if A.dtype not in _COMPLEX:
+        return g
+    batch, dstate, pairs = g.shape
+    return g.reshape([batch, dstate, pairs // 2, 2]).transpose([0, 1, 3, 2]).reshape([batch, 2 * dstate, pairs // 2])
 
 
 def mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight, out_proj_weight, out_proj_bias,
@@ -391,7 +440,7 @@ def mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_wei
     chosen = resolve_backend("mamba_inner", backend, device_of(xz), implemented=SCAN_IMPLEMENTED,
                              unsupported=_scan_unsupported(complex_A, batch, A.shape[1],
                                                            _cuda_dtype_issue(xz, None, None, A, B, C, D, delta_bias)),
-                             prefer=SCAN_AUTO_ORDER)
+                             prefer=("cuda",) if complex_A else SCAN_AUTO_ORDER)
     if chosen == "reference" or xz.size == 0:
         return ref.mamba_inner_ref(xz, conv_w, conv1d_bias, x_proj_w, delta_proj_w, out_proj_w, out_proj_bias, A,
                                    B, C, D, delta_bias, B_proj_bias, C_proj_bias, delta_softplus, True)

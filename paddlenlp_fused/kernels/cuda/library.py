@@ -12,7 +12,7 @@ import os
 import pathlib
 from typing import Optional, Tuple
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 LIB_NAME = "libpaddlenlp_fused_cuda.so"
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}  # PnfDtype in csrc/pnf.h
 _STATUS = {1: "invalid argument", 2: "unsupported case", 3: "CUDA error", 4: "cuBLAS error"}
