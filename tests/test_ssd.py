@@ -295,11 +295,20 @@ def test_triton_varlen_states_equal_per_sequence_loop():
     _check_grads([y, final], a, [y64, finals[-1][None]], a64, GRAD_NAMES)
 
 
-@pytest.mark.parametrize("variant", ["default", "fused_state_passing", "load_cb"])
+CONTRACT_VARIANTS = {  # SSDConfig options; every variant runs two token tiles per chunk in the chunk scan
+    "default": {},  # stages 3 and 4 apart (small problem), chunk scan walking its token tiles, loading CB
+    "fused_state_passing": dict(fuse_state_passing=True),  # two token blocks per step of the fused kernel
+    "recompute_cb": dict(recompute_cb=True, scan_m_loop=False, scan_heads_first=False, split_scores=True),
+    "load_cb_per_tile": dict(scan_m_loop=False),
+}
+
+
+@pytest.mark.parametrize("variant", list(CONTRACT_VARIANTS))
 def test_triton_saved_buffers_follow_the_backward_contract(variant):
     """dt_out, dA_cumsum, the entering states (with seq_idx resets), CB and final_states as
-    ssd_backward reads them; stages 3 and 4 as two kernels or fused into one; the chunk scan
-    recomputing C.B blocks or loading CB."""
+    ssd_backward reads them, for the kernel variants of ``CONTRACT_VARIANTS`` (stages 3 and 4 as two
+    kernels or fused into one, runs starting inside token blocks; the chunk scan recomputing C.B
+    blocks or loading CB, one program per token tile or walking the chunk's token tiles)."""
     from paddlenlp_fused.kernels.triton import ssd as K
     from paddlenlp_fused.reference.ssd import process_dt
     from paddlenlp_fused.runtime.triton_paddle import triton_args
@@ -315,8 +324,8 @@ def test_triton_saved_buffers_follow_the_backward_contract(variant):
                     buf["CB"], buf["final_states"], a["D"], a["z"], out_x, a["dt_bias"], a["initial_states"], runs)
     K.ssd_chunked_fwd(*t[:11], chunk_size=chunk, D=t[11], z=t[12], out_x=t[13], dt_bias=t[14],
                       initial_states=t[15], seq_idx=t[16], dt_softplus=True,
-                      config=K.SSDConfig(fuse_state_passing=variant == "fused_state_passing",
-                                         recompute_cb=variant != "load_cb"))
+                      config=K.SSDConfig(fused_block_k=chunk // 2, scan_block_m=chunk // 2,
+                                         **CONTRACT_VARIANTS[variant]))
     a64 = _as64(a)
     ends = [c * chunk - 1 for c in range(1, nchunks)]
     y64, final64, at64 = ssd_recurrence_ref(**{**a64, "z": None}, seq_idx=runs, dt_softplus=True, states_at=ends)

@@ -8,7 +8,7 @@ cumsum/exp/states) in the same process; plus seqlen 32768 at batch 1 (``seqlen_3
 algorithm's matmul work (CB, chunk states, causal half of the intra-chunk product, inter-chunk
 product) over the forward time; ``fwd_TBps``: inputs read once and y written once over the forward
 time (the floor of any implementation). ``sweep`` (``run(..., sweep=True)``) times the forward under
-other tile configs; ``autotuned`` records what the autotuner picked for stages 3 and 5.
+other tile configs; ``autotuned`` records what the autotuner picked for stages 3, 3+4 and 5.
 """
 
 from __future__ import annotations
@@ -159,21 +159,13 @@ def _measure(provider, batch, seqlen, with_torch=True, sweep=False):
     print(f"ssd batch={batch} seqlen={seqlen}:", rows, flush=True)
     configs = []
     if sweep:
-        base = K.DEFAULT_CONFIG
-        variants = [base._replace(state_block_p=bp, state_block_n=bn, state_block_k=bk, state_warps=w, state_stages=s)
-                    for bp, bn, bk, w, s in ((64, 64, 64, 4, 2), (128, 128, 32, 8, 2), (64, 128, 32, 4, 3),
-                                             (128, 64, 64, 8, 3))]
-        variants += [base._replace(scan_block_m=bm, scan_block_p=bp, scan_block_k=bk, scan_block_n=bn, scan_warps=w,
-                                   scan_stages=s)
-                     for bm, bp, bk, bn, w, s in ((128, 64, 64, 128, 8, 2), (64, 128, 64, 128, 8, 2),
-                                                  (128, 128, 64, 64, 8, 2), (64, 64, 32, 128, 4, 3),
-                                                  (128, 64, 32, 64, 4, 3), (64, 64, 64, 64, 4, 3))]
-        variants += [base._replace(pass_block=b) for b in (256, 1024, 2048)]
-        variants += [base._replace(cb_block=b) for b in (32, 128)] + [base._replace(split_scores=False)]
-        variants += [base._replace(fuse_state_passing=True, fused_block_p=bp, fused_block_n=bn, state_block_k=bk,
-                                   state_warps=w, state_stages=s)
-                     for bp, bn, bk, w, s in ((32, 64, 64, 4, 2), (64, 64, 64, 4, 2), (32, 128, 64, 4, 2),
-                                              (64, 128, 64, 8, 2), (32, 64, 32, 4, 3), (16, 64, 64, 4, 2))]
+        base = K.DEFAULT_CONFIG._replace(fuse_state_passing=True)
+        variants = [base._replace(fuse_state_passing=False)]  # stages 3 and 4 apart
+        variants += [base._replace(fused_block_p=bp, fused_block_n=bn, fused_block_k=bk, fused_warps=w, fused_stages=s)
+                     for bp, bn, bk, w, s in ((128, 128, 64, 8, 2), (64, 128, 64, 4, 3), (64, 64, 256, 4, 2))]
+        variants += [base._replace(scan_block_k=32, scan_stages=3), base._replace(recompute_cb=True),
+                     base._replace(scan_m_loop=False, recompute_cb=True), base._replace(split_scores=True),
+                     base._replace(scan_heads_first=False)]
         for cfg in [base] + variants:
             try:
                 ms = bench_ms(lambda: fwd(cfg), 10, 60)

@@ -144,26 +144,39 @@ CASES = {  # (batch, seqlen, nheads, headdim, ngroups, dstate, chunk), options
     "odd_small": ((1, 77, 4, 7, 4, 5, 16), dict(bias=True, softplus=True, seq=5)),
     "chunk_128_headdim_64": ((2, 700, 8, 64, 2, 64, 128), dict(z=True, softplus=True, init=True)),
     "autotuned": ((1, 8192 - 77, 64, 64, 4, 64, 256), dict(D="heads", z=True, softplus=True, seq=9, init=True)),
+    "autotuned_fused": ((2, 4096 - 77, 64, 64, 2, 64, 256), dict(D="headdim", softplus=True, seq=5, init=True)),
 }
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("case", list(CASES) + ["all_options_ragged:fused", "canonical_small:fused",
-                                                 "all_options_ragged:load_cb", "canonical_small:load_cb",
-                                                 "autotuned"])
+VARIANTS = {  # SSDConfig options on top of the defaults
+    "": {},
+    "fused": dict(fuse_state_passing=True),
+    "recompute_cb": dict(recompute_cb=True, scan_m_loop=False, scan_heads_first=False, split_scores=True),
+    "recompute_m_loop": dict(recompute_cb=True),
+    "load_cb_per_tile": dict(scan_m_loop=False),
+}
+
+
+FORWARD_CASES = [  # every dtype, but the autotuned path (compiled for every config) in bf16 only
+    (case, dtype) for case in list(CASES) + [f"{name}:{v}" for v in list(VARIANTS)[1:]
+                                             for name in ("all_options_ragged", "canonical_small")]
+    for dtype in ("float32", "float16", "bfloat16") if dtype == "bfloat16" or not case.startswith("autotuned")]
+
+
+@pytest.mark.parametrize("case,dtype", FORWARD_CASES)
 def test_forward_and_saved_buffers_match_float64(provider, case, dtype):
-    """``:fused``: stages 3 and 4 in one kernel (SSDConfig.fuse_state_passing); ``:load_cb``: the chunk
-    scan loads CB instead of recomputing C.B blocks; ``autotuned``: no config and enough programs
-    (TUNE_MIN_PROGRAMS) for the autotuned kernels."""
+    """Variants (``VARIANTS``): the defaults (stages 3 and 4 apart at these sizes; the chunk scan
+    loading CB, walking its chunk's token tiles), ``:fused`` stages 3 and 4 in one kernel,
+    ``:recompute_cb`` the chunk scan recomputing C.B blocks one token tile per program (bf16 scores
+    as two terms), ``:recompute_m_loop``, ``:load_cb_per_tile``. ``autotuned*``: no config and enough
+    programs (TUNE_MIN_PROGRAMS) for the autotuned kernels (``_fused``: batch * nheads reaches
+    FUSED_MIN_ROWS, so stages 3 and 4 run fused)."""
     name, _, variant = case.partition(":")
     dims, opts = CASES[name]
     batch, seqlen, nheads, headdim, ngroups, dstate, chunk = dims
-    if name == "autotuned" and dtype != "bfloat16":
-        pytest.skip("the autotuned path is compiled for every config: bf16 only, to keep the suite short")
     a = _inputs(provider, batch, seqlen, nheads, headdim, ngroups, dstate, dtype, opts)
     limit = opts.get("limit", (0.0, math.inf))
-    config = None if name == "autotuned" else K.SSDConfig(fuse_state_passing=variant == "fused",
-                                                          recompute_cb=variant != "load_cb")
+    config = None if name.startswith("autotuned") else K.SSDConfig(**VARIANTS[variant])
     out, out_x, buf = _run(provider, a, chunk, opts.get("softplus", False), limit, config)
     y64, outx64, final64, dt64, cs64, states64, CB64 = chunked64(
         **a, chunk=chunk, dt_softplus=opts.get("softplus", False), dt_limit=limit)
@@ -177,6 +190,8 @@ def test_forward_and_saved_buffers_match_float64(provider, case, dtype):
     check("dt_out", buf["dt_out"], dt64, "float32")
     check("dA_cumsum", buf["dA_cumsum"], cs64, "float32")
     check("CB", buf["CB"], CB64, "float32")  # products of the same 16-bit values, exact in fp32
+    if name == "autotuned_fused":
+        assert K.tuned_configs()["fused_states"], "stages 3 and 4 ran fused and autotuned"
 
 
 def test_chunked64_equals_recurrence(provider):

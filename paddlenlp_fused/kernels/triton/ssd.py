@@ -29,17 +29,23 @@ Stages (one launch each), with ``cs`` = dA_cumsum:
  4. state passing: sequential over chunks, parallel over (b, h, p*n):
     ``states[c + 1] = carry_c states[c] + own_c`` with ``carry_c = exp(cs_end of c)``, zeroed when a
     new run ends chunk c (seq_idx), exactly as the reference.
+ 3+4 fused (once batch * nheads >= FUSED_MIN_ROWS, or ``SSDConfig.fuse_state_passing``): one program
+    per (p, n) tile, batch and head walks all tokens, the state in registers; half the memory traffic
+    of 3 and 4 (0.256 ms instead of 0.209 + 0.144 at the canonical shape on the H200).
  5. chunk scan: ``y_t = sum_{s<=t, same run} CB_ts exp(cs_t - cs_s) dt_s x_s
-    + exp(cs_t) C_t states[c]^T (if t is in the run that entered the chunk) + D x_t``, then the gate;
-    the CB blocks are recomputed by matmul from the C tile held in registers (attention-style), or
-    loaded from stage 2's CB (``SSDConfig.recompute_cb``; stage 2 runs either way: the backward reads CB).
+    + exp(cs_t) C_t states[c]^T (if t is in the run that entered the chunk) + D x_t``, then the gate.
+    By default a program walks the token tiles of one chunk (entering state read once), loads the CB
+    blocks of stage 2, and the programs of all heads of a chunk run side by side (shared C/B/CB tiles
+    from L2); ``SSDConfig`` can instead recompute the CB blocks from the C tile in registers
+    (attention-style) or give each token tile its own program.
 
-Stages 3 and 5 are autotuned (``triton.autotune``) on the GPU once batch * nchunks * nheads reaches
-``TUNE_MIN_PROGRAMS`` and no ``config`` is given; otherwise they take ``SSDConfig``'s tiles.
+Stages 3, 3+4 and 5 are autotuned (``triton.autotune``) on the GPU for 16-bit inputs once batch *
+nchunks * nheads reaches ``TUNE_MIN_PROGRAMS`` and no ``config`` is given; otherwise they take
+``SSDConfig``'s tiles.
 
 Matmuls run on ``tl.dot`` with 16-bit operands for 16-bit inputs (the fp32 decay-weighted factors and
-the fp32 entering state are rounded to x's dtype, as an fp32-accumulating bf16 GEMM would; for bf16 the
-intra-chunk weights go in as two bf16 terms, see ``SSDConfig.split_scores``) and IEEE fp32 for fp32
+the fp32 entering state are rounded to x's dtype, as an fp32-accumulating bf16 GEMM would; optionally
+the bf16 intra-chunk weights go in as two terms, ``SSDConfig.split_scores``) and IEEE fp32 for fp32
 inputs; accumulation, states and cumsums are fp32. Offsets: 64-bit bases, 32-bit offsets inside a chunk
 (the launcher checks chunk_size * nheads * headdim and chunk_size * ngroups * dstate fit).
 """
@@ -57,37 +63,48 @@ from .interpreter_compat import INTERPRETING, dot_operand
 
 
 class SSDConfig(NamedTuple):
-    """Tile sizes (powers of two; clipped to the problem) and launch options of the stages (defaults:
-    the best of round A's sweep on the H200 at the canonical shape)."""
+    """Tile sizes (powers of two; clipped to the problem) and launch options of the stages. Defaults:
+    the best of the H200 sweep at the canonical shape (x [4, 4096, 64, 128] bf16, dstate 128, chunk
+    256): fused stages 3+4 0.256 ms, chunk scan 0.526 ms (from 0.38 and 1.20 ms with the old defaults)."""
     cumsum_block_h: int = 8
     cb_block: int = 64           # CB tile [cb_block, cb_block], dstate steps of 64
-    state_block_p: int = 64      # chunk-state tile [p, n], token steps
-    state_block_n: int = 128
-    state_block_k: int = 32
-    state_warps: int = 4
+    state_block_p: int = 128     # chunk-state tile [p, n], token steps
+    state_block_n: int = 64
+    state_block_k: int = 64
+    state_warps: int = 8
     state_stages: int = 3
-    pass_block: int = 512        # state passing: p*n elements per program
-    # stages 3+4 fused: one program per (p, n) tile, batch and head walks the chunks (the own states
-    # never leave registers); fewer, sequential programs
-    fuse_state_passing: bool = False
+    pass_block: int = 2048       # state passing: p*n elements per program
+    # stages 3+4 fused: one program per (p, n) tile, batch and head walks the tokens (the state never
+    # leaves registers, no round trip of the own states through memory); fewer, sequential programs.
+    # None: fused once batch * nheads >= FUSED_MIN_ROWS (enough programs to fill the GPU)
+    fuse_state_passing: Optional[bool] = None
     fused_block_p: int = 64
     fused_block_n: int = 64
+    fused_block_k: int = 128     # tokens per step (divides chunk_size)
+    fused_warps: int = 4
+    fused_stages: int = 2
     scan_block_m: int = 64       # chunk-scan tile [tokens, p], token steps, dstate steps
-    scan_block_p: int = 64
+    scan_block_p: int = 128
     scan_block_k: int = 64
     scan_block_n: int = 128
     scan_warps: int = 4
     scan_stages: int = 2
-    # bf16 only: the intra-chunk weights (C.B * decay * dt, fp32) go into the matmul as two bf16 terms;
-    # one term's rounding alone was the largest error of y (about 2x the output's own rounding)
-    split_scores: bool = True
+    # chunk-scan programs of one chunk and token tile for all heads run side by side (head = fastest
+    # program id), so the C, B and CB tiles they share are read from L2 (0.74 -> 0.60 ms in the sweep)
+    scan_heads_first: bool = True
+    # a chunk-scan program walks all token tiles of its chunk (for dstate <= 256): the fp32 entering
+    # state is read once per (chunk, head, headdim tile) instead of once per token tile
+    scan_m_loop: bool = True
+    # bf16 only: the intra-chunk weights (C.B * decay * dt, fp32) go into the matmul as two bf16 terms
+    # (y's error against float64 1.7e-3 instead of 2.4e-3 at the canonical shape; one more matmul)
+    split_scores: bool = False
     # chunk scan recomputes its C.B blocks by matmul (C tile kept in registers) instead of loading
-    # the fp32 CB written by stage 2 (which the backward still reads); for dstate <= 256
-    recompute_cb: bool = True
+    # the fp32 CB written by stage 2 (which the backward reads); for dstate <= 256
+    recompute_cb: bool = False
 
 
 DEFAULT_CONFIG = SSDConfig()
-_RECOMPUTE_CB_MAX_DSTATE = 256
+_ONE_DSTATE_TILE_MAX = 256  # dstate up to which the chunk scan may hold all of it in one tile
 # the interpreter runs every program in Python: big tiles, few programs
 _INTERPRETER_TILE = 16
 
@@ -256,26 +273,67 @@ def _fused_state_passing_kernel(x_ptr, B_ptr, dt_out_ptr, cs_ptr, seq_ptr, init_
                                 seqlen, nheads, headdim, ngroups, dstate, nchunks, CHUNK: tl.constexpr,
                                 HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
                                 BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Stages 3 and 4 in one: program (tile of [p, n], batch, head) walks the chunks, stores the
-    entering state, adds the chunk's own state to the carried one in registers (no round trip of the
-    own states through memory; fewer programs, each sequential over the chunks)."""
+    """Stages 3 and 4 in one: program (tile of [p, n], batch, head) walks the tokens in blocks of
+    BLOCK_K (dividing CHUNK) in one flat loop, so the loads pipeline across chunk boundaries and the
+    state never leaves registers. Per block, with ``cs`` restarting at each chunk (``cs_before`` = 0
+    at a chunk start): ``h <- exp(cs_blockend - cs_before) h + sum_k exp(cs_blockend - cs_k) dt_k x_k B_k^T``;
+    at each chunk start h is stored as the entering state (and dropped when a new run ends the chunk).
+    With seq_idx only the tokens of the run ending the chunk count, as in stage 3: the run ids are
+    unique, so the earlier tokens of that run are exactly the ones h already holds."""
     pid_pn, pid_b, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     p, n = _tile_of(pid_pn, dstate, BLOCK_P, BLOCK_N)
+    pmask, nmask = p < headdim, n < dstate
     tile = p[:, None] * dstate + n[None, :]
-    tile_mask = (p < headdim)[:, None] & (n < dstate)[None, :]
+    tile_mask = pmask[:, None] & nmask[None, :]
     head_state = (pid_b * nheads + pid_h).to(tl.int64) * headdim * dstate
     if HAS_INIT:
         h = tl.load(init_ptr + head_state + tile, mask=tile_mask, other=0.0).to(tl.float32)
     else:
         h = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    chunk_row_0 = (pid_b * nheads + pid_h).to(tl.int64) * nchunks * CHUNK
-    for c in range(0, nchunks):
-        entering = (((pid_b * nchunks + c).to(tl.int64) * nheads + pid_h) * headdim) * dstate
-        tl.store(states_ptr + entering + tile, h, mask=tile_mask)
-        own, _ = _own_state(x_ptr, B_ptr, dt_out_ptr, cs_ptr, seq_ptr, pid_b, c, pid_h, CHUNK - 1, p, n, seqlen,
-                            nheads, headdim, ngroups, dstate, nchunks, CHUNK, HAS_SEQ, DOT_PRECISION,
-                            BLOCK_P, BLOCK_N, BLOCK_K)
-        h = _chunk_carry(cs_ptr, chunk_row_0, seq_ptr, pid_b, c, seqlen, CHUNK, HAS_SEQ) * h + own
+    group = pid_h // (nheads // ngroups)
+    x_stride, bc_stride = nheads * headdim, ngroups * dstate
+    first_row = (pid_b * seqlen).to(tl.int64)
+    x_base = x_ptr + first_row * x_stride + pid_h * headdim
+    B_base = B_ptr + first_row * bc_stride + group * dstate
+    cs_base = (pid_b * nheads + pid_h).to(tl.int64) * nchunks * CHUNK  # [b, h, c, K] rows: padded tokens
+    # entering state of chunk c at states_base + c * chunk_stride ([b, c, h, p, n])
+    chunk_stride = nheads * headdim * dstate
+    states_base = states_ptr + (pid_b * nchunks).to(tl.int64) * chunk_stride + pid_h * headdim * dstate + tile
+    if HAS_SEQ:
+        seq_row = seq_ptr + first_row
+    # the block's first row, advanced by pointer: k * x_stride passes 2^31 on long rows, while
+    # kk * x_stride < chunk_size * x_stride fits in 32 bits (the launcher checks)
+    x_blk, B_blk = x_base, B_base
+    for k0 in range(0, nchunks * CHUNK, BLOCK_K):
+        kk = tl.arange(0, BLOCK_K)
+        k = k0 + kk  # token index (past seqlen inside the last chunk: dt 0)
+        kmask = k < seqlen
+        chunk_start = k0 % CHUNK == 0
+        c = k0 // CHUNK
+        # branch-free so the loop stays one software pipeline: a masked store, a select
+        tl.store(states_base + c.to(tl.int64) * chunk_stride, h, mask=tile_mask & chunk_start)
+        cs_before = tl.load(cs_ptr + cs_base + tl.maximum(k0 - 1, 0))
+        cs_before = tl.where(chunk_start, 0.0, cs_before)
+        cs_blockend = tl.load(cs_ptr + cs_base + k0 + BLOCK_K - 1)
+        cs_k = tl.load(cs_ptr + cs_base + k)
+        dt_k = tl.load(dt_out_ptr + cs_base + k)
+        keep = kmask
+        if HAS_SEQ:
+            seg_end = tl.load(seq_row + tl.minimum(c * CHUNK + CHUNK - 1, seqlen - 1))
+            seg_prev = tl.load(seq_row + tl.maximum(c * CHUNK - 1, 0))
+            h = tl.where(chunk_start & (seg_end != seg_prev), 0.0, h)
+            keep = keep & (tl.load(seq_row + k, mask=kmask, other=0) == seg_end)
+        # masked before exp: past the run cs_blockend - cs_k may be positive and overflow
+        weight = tl.exp(tl.where(keep, cs_blockend - cs_k, float("-inf"))) * dt_k
+        xt = tl.load(x_blk + kk[None, :] * x_stride + p[:, None], mask=pmask[:, None] & kmask[None, :],
+                     other=0.0)                                                           # [p, k]
+        b = tl.load(B_blk + kk[:, None] * bc_stride + n[None, :], mask=kmask[:, None] & nmask[None, :],
+                    other=0.0).to(tl.float32)                                             # [k, n]
+        bw = (b * weight[:, None]).to(xt.dtype)
+        h = tl.dot(dot_operand(xt), dot_operand(bw), h * tl.exp(cs_blockend - cs_before),
+                   input_precision=DOT_PRECISION)
+        x_blk += BLOCK_K * x_stride
+        B_blk += BLOCK_K * bc_stride
     tl.store(final_ptr + head_state + tile, h, mask=tile_mask)
 
 
@@ -322,23 +380,32 @@ def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, CB_ptr, dt_out_ptr, cs_ptr, states_p
                        out_x_ptr, seqlen, nheads, headdim, ngroups, dstate, nchunks, CHUNK: tl.constexpr,
                        HAS_SEQ: tl.constexpr, HAS_D: tl.constexpr, D_PER_DIM: tl.constexpr, HAS_Z: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, SPLIT_SCORES: tl.constexpr, RECOMPUTE_CB: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program (tile of [t, p], batch*chunk, head): the output of BLOCK_M tokens of one chunk.
+                       HEADS_FIRST: tl.constexpr, M_LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (tile, batch*chunk, head), or (head, tile, batch*chunk) with HEADS_FIRST. A tile is
+    BLOCK_M tokens x BLOCK_P of headdim; with M_LOOP it is BLOCK_P of headdim and the program walks
+    the chunk's token tiles, loading the entering state once (not once per token tile).
 
-    RECOMPUTE_CB (needs BLOCK_N >= dstate): the C tile stays in registers and each [t, s] block of
-    C.B is recomputed by a matmul, as attention does with Q K^T, instead of loading fp32 CB; the
-    block's weights then feed the second matmul from registers. Scalar 64-bit bases, 32-bit offsets
-    inside the chunk (the launcher checks they fit)."""
-    pid_tp, pid_bc, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    tiles_p = tl.cdiv(headdim, BLOCK_P)
-    m_start = (pid_tp // tiles_p) * BLOCK_M
-    t = m_start + tl.arange(0, BLOCK_M)
-    p = (pid_tp % tiles_p) * BLOCK_P + tl.arange(0, BLOCK_P)
-    pmask = p < headdim
+    RECOMPUTE_CB: each [t, s] block of C.B is recomputed by a matmul from the C tile in registers,
+    as attention does with Q K^T, instead of loading stage 2's fp32 CB. RECOMPUTE_CB and M_LOOP need
+    BLOCK_N >= dstate (one dstate tile). Scalar 64-bit bases, 32-bit offsets inside the chunk (the
+    launcher checks they fit)."""
+    if HEADS_FIRST:
+        pid_h, pid_tile, pid_bc = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    else:
+        pid_tile, pid_bc, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pid_b, pid_c = pid_bc // nchunks, pid_bc % nchunks
+    chunk_len = tl.minimum(seqlen - pid_c * CHUNK, CHUNK)  # tokens of this chunk before the end
+    if M_LOOP:
+        p = pid_tile * BLOCK_P + tl.arange(0, BLOCK_P)
+        m_first, m_end = 0, chunk_len
+    else:
+        tiles_p = tl.cdiv(headdim, BLOCK_P)
+        p = (pid_tile % tiles_p) * BLOCK_P + tl.arange(0, BLOCK_P)
+        m_first = (pid_tile // tiles_p) * BLOCK_M
+        m_end = m_first + 1
+    pmask = p < headdim
     group = pid_h // (nheads // ngroups)
-    chunk_len = seqlen - pid_c * CHUNK  # tokens of this chunk before the end (more than CHUNK but the last)
-    tmask = t < chunk_len
     first_row = (pid_b * seqlen).to(tl.int64) + pid_c * CHUNK
     x_stride = nheads * headdim
     bc_stride = ngroups * dstate
@@ -346,129 +413,159 @@ def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, CB_ptr, dt_out_ptr, cs_ptr, states_p
     C_base = C_ptr + first_row * bc_stride + group * dstate
     B_base = B_ptr + first_row * bc_stride + group * dstate
     chunk_row = ((pid_b * nheads + pid_h).to(tl.int64) * nchunks + pid_c) * CHUNK
-    cs_t = tl.load(cs_ptr + chunk_row + t)
+    cb_base = CB_ptr + ((pid_b * nchunks + pid_c).to(tl.int64) * ngroups + group) * CHUNK * CHUNK
+    st_base = states_ptr + (((pid_b * nchunks + pid_c).to(tl.int64) * nheads + pid_h) * headdim) * dstate
+    out_base = first_row * x_stride + pid_h * headdim
     if HAS_SEQ:
         seq_row = seq_ptr + first_row
-        seg_t = tl.load(seq_row + t, mask=tmask, other=-1)
         seg_prev = tl.load(seq_row + tl.maximum(-1, -pid_c * CHUNK))  # the token before the chunk (or token 0)
-
-    # inter-chunk: exp(cs_t) C_t . state_in[p, :]
     mm_dtype = x_ptr.dtype.element_ty  # the products run in x's dtype, whatever C's is
-    acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
-    st_base = states_ptr + (((pid_b * nchunks + pid_c).to(tl.int64) * nheads + pid_h) * headdim) * dstate
-    if RECOMPUTE_CB:  # one dstate tile; c stays for the intra-chunk products
+    if RECOMPUTE_CB or M_LOOP:  # one dstate tile: the entering state [n, p], once per program
         n = tl.arange(0, BLOCK_N)
         nmask = n < dstate
-        c = tl.load(C_base + t[:, None] * bc_stride + n[None, :], mask=tmask[:, None] & nmask[None, :],
-                    other=0.0).to(mm_dtype)                                                # [t, n]
         st = tl.load(st_base + p[None, :] * dstate + n[:, None], mask=nmask[:, None] & pmask[None, :],
-                     other=0.0)                                                            # [n, p]
-        acc = tl.dot(dot_operand(c), dot_operand(st.to(mm_dtype)), acc, input_precision=DOT_PRECISION)
-    else:
-        for n0 in range(0, dstate, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            nmask = n < dstate
-            c = tl.load(C_base + t[:, None] * bc_stride + n[None, :], mask=tmask[:, None] & nmask[None, :],
-                        other=0.0).to(mm_dtype)
-            st = tl.load(st_base + p[None, :] * dstate + n[:, None], mask=nmask[:, None] & pmask[None, :],
-                         other=0.0)
-            acc = tl.dot(dot_operand(c), dot_operand(st.to(mm_dtype)), acc, input_precision=DOT_PRECISION)
-    from_start = cs_t
-    if HAS_SEQ:
-        from_start = tl.where(seg_t == seg_prev, cs_t, float("-inf"))
-    acc *= tl.exp(from_start)[:, None]
-
-    # intra-chunk: sum_{s <= t, same run} CB[t, s] exp(cs_t - cs_s) dt_s x_s
-    cb_base = CB_ptr + ((pid_b * nchunks + pid_c).to(tl.int64) * ngroups + group) * CHUNK * CHUNK
-    for s0 in range(0, m_start + BLOCK_M, BLOCK_K):
-        s = s0 + tl.arange(0, BLOCK_K)
-        smask = s < chunk_len
-        cs_s = tl.load(cs_ptr + chunk_row + s)
-        dt_s = tl.load(dt_out_ptr + chunk_row + s)
-        if RECOMPUTE_CB:
-            bt = tl.load(B_base + s[None, :] * bc_stride + n[:, None], mask=nmask[:, None] & smask[None, :],
-                         other=0.0).to(mm_dtype)                                           # [n, s]
-            cb = tl.dot(dot_operand(c), dot_operand(bt), input_precision=DOT_PRECISION)
-        else:
-            cb = tl.load(cb_base + t[:, None] * CHUNK + s[None, :])
-        keep = s[None, :] <= t[:, None]
-        if HAS_SEQ:
-            seg_s = tl.load(seq_row + s, mask=smask, other=-2)
-            keep = keep & (seg_s[None, :] == seg_t[:, None])
-        # masked before exp: above the diagonal cs_t - cs_s > 0 may overflow
-        scores = cb * tl.exp(tl.where(keep, cs_t[:, None] - cs_s[None, :], float("-inf"))) * dt_s[None, :]
-        xs = tl.load(x_base + s[:, None] * x_stride + p[None, :], mask=smask[:, None] & pmask[None, :],
-                     other=0.0)                                                            # [s, p]
-        scores_hi = scores.to(xs.dtype)
-        acc = tl.dot(dot_operand(scores_hi), dot_operand(xs), acc, input_precision=DOT_PRECISION)
-        if SPLIT_SCORES:  # a second bf16 term carries what the first rounded off (8 more bits)
-            scores_lo = (scores - scores_hi.to(tl.float32)).to(xs.dtype)
-            acc = tl.dot(dot_operand(scores_lo), dot_operand(xs), acc, input_precision=DOT_PRECISION)
-
-    tile = t[:, None] * x_stride + p[None, :]
-    tile_mask = tmask[:, None] & pmask[None, :]
+                     other=0.0).to(mm_dtype)
     if HAS_D:
-        xt = tl.load(x_base + tile, mask=tile_mask, other=0.0).to(tl.float32)
         if D_PER_DIM:
             d = tl.load(D_ptr + pid_h * headdim + p, mask=pmask, other=0.0).to(tl.float32)[None, :]
         else:
             d = tl.load(D_ptr + pid_h).to(tl.float32)
-        acc += d * xt
-    out_offset = first_row * x_stride + pid_h * headdim
-    if HAS_Z:
-        tl.store(out_x_ptr + out_offset + tile, acc.to(out_x_ptr.dtype.element_ty), mask=tile_mask)
-        zt = tl.load(z_ptr + out_offset + tile, mask=tile_mask, other=0.0).to(tl.float32)
-        acc *= zt / (1.0 + tl.exp(-zt))
-    tl.store(out_ptr + out_offset + tile, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
+
+    for m_start in range(m_first, m_end, BLOCK_M):
+        t = m_start + tl.arange(0, BLOCK_M)
+        tmask = t < chunk_len
+        cs_t = tl.load(cs_ptr + chunk_row + t)
+        if HAS_SEQ:
+            seg_t = tl.load(seq_row + t, mask=tmask, other=-1)
+        # inter-chunk: exp(cs_t) C_t . state_in[p, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
+        if RECOMPUTE_CB or M_LOOP:  # c stays for the intra-chunk products when RECOMPUTE_CB
+            c = tl.load(C_base + t[:, None] * bc_stride + n[None, :], mask=tmask[:, None] & nmask[None, :],
+                        other=0.0).to(mm_dtype)                                            # [t, n]
+            acc = tl.dot(dot_operand(c), dot_operand(st), acc, input_precision=DOT_PRECISION)
+        else:
+            for n0 in range(0, dstate, BLOCK_N):
+                nn = n0 + tl.arange(0, BLOCK_N)
+                c_n = tl.load(C_base + t[:, None] * bc_stride + nn[None, :],
+                              mask=tmask[:, None] & (nn < dstate)[None, :], other=0.0).to(mm_dtype)
+                st_n = tl.load(st_base + p[None, :] * dstate + nn[:, None],
+                               mask=(nn < dstate)[:, None] & pmask[None, :], other=0.0)
+                acc = tl.dot(dot_operand(c_n), dot_operand(st_n.to(mm_dtype)), acc, input_precision=DOT_PRECISION)
+        from_start = cs_t
+        if HAS_SEQ:
+            from_start = tl.where(seg_t == seg_prev, cs_t, float("-inf"))
+        acc *= tl.exp(from_start)[:, None]
+
+        # intra-chunk: sum_{s <= t, same run} CB[t, s] exp(cs_t - cs_s) dt_s x_s
+        for s0 in range(0, m_start + BLOCK_M, BLOCK_K):
+            s = s0 + tl.arange(0, BLOCK_K)
+            smask = s < chunk_len
+            cs_s = tl.load(cs_ptr + chunk_row + s)
+            dt_s = tl.load(dt_out_ptr + chunk_row + s)
+            if RECOMPUTE_CB:
+                bt = tl.load(B_base + s[None, :] * bc_stride + n[:, None], mask=nmask[:, None] & smask[None, :],
+                             other=0.0).to(mm_dtype)                                       # [n, s]
+                cb = tl.dot(dot_operand(c), dot_operand(bt), input_precision=DOT_PRECISION)
+            else:
+                cb = tl.load(cb_base + t[:, None] * CHUNK + s[None, :])
+            keep = s[None, :] <= t[:, None]
+            if HAS_SEQ:
+                seg_s = tl.load(seq_row + s, mask=smask, other=-2)
+                keep = keep & (seg_s[None, :] == seg_t[:, None])
+            # masked before exp: above the diagonal cs_t - cs_s > 0 may overflow
+            scores = cb * tl.exp(tl.where(keep, cs_t[:, None] - cs_s[None, :], float("-inf"))) * dt_s[None, :]
+            if HAS_D and not D_PER_DIM:  # D x_t rides on the diagonal of the weights: x is not read again
+                scores += tl.where(s[None, :] == t[:, None], d, 0.0)
+            xs = tl.load(x_base + s[:, None] * x_stride + p[None, :], mask=smask[:, None] & pmask[None, :],
+                         other=0.0)                                                        # [s, p]
+            scores_hi = scores.to(xs.dtype)
+            acc = tl.dot(dot_operand(scores_hi), dot_operand(xs), acc, input_precision=DOT_PRECISION)
+            if SPLIT_SCORES:  # a second bf16 term carries what the first rounded off (8 more bits)
+                scores_lo = (scores - scores_hi.to(tl.float32)).to(xs.dtype)
+                acc = tl.dot(dot_operand(scores_lo), dot_operand(xs), acc, input_precision=DOT_PRECISION)
+
+        tile = t[:, None] * x_stride + p[None, :]
+        tile_mask = tmask[:, None] & pmask[None, :]
+        if D_PER_DIM:
+            acc += d * tl.load(x_base + tile, mask=tile_mask, other=0.0).to(tl.float32)
+        if HAS_Z:
+            tl.store(out_x_ptr + out_base + tile, acc.to(out_x_ptr.dtype.element_ty), mask=tile_mask)
+            zt = tl.load(z_ptr + out_base + tile, mask=tile_mask, other=0.0).to(tl.float32)
+            acc *= zt / (1.0 + tl.exp(-zt))
+        tl.store(out_ptr + out_base + tile, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
 
 # ----------------------------------------------------------------------------------------------------
-# autotuned variants of stages 3 and 5 for large GPU problems (the sweep of round A on the H200 showed
-# 30% between tile choices of either stage); the interpreter and small problems use SSDConfig's tiles
+# autotuned variants of stages 3/4 and 5 for large GPU problems: the best configs of the H200 sweep
+# (about 2x between tile choices of the chunk scan) and a few untried neighbours; the interpreter and
+# small problems use SSDConfig's tiles
 
 def _pow2_at_least_16(n: int) -> int:
     return max(16, triton.next_power_of_2(int(n)))
 
 
+def _fit_configs(configs, limits, keep=lambda kw: True):
+    """The configs with their tiles clipped to ``limits`` (name -> largest useful value, in order, so
+    a later limit may name an earlier tile), those ``keep`` accepts, without duplicates."""
+    fitted, seen = [], set()
+    for c in configs:
+        kw = dict(c.kwargs)
+        for name, limit in limits.items():
+            kw[name] = min(kw[name], kw[limit] if isinstance(limit, str) else limit)
+        key = (tuple(sorted(kw.items())), c.num_warps, c.num_stages)
+        if keep(kw) and key not in seen:
+            seen.add(key)
+            fitted.append(triton.Config(kw, num_warps=c.num_warps, num_stages=c.num_stages))
+    return fitted
+
+
 def _prune_scan_configs(configs, named_args, **kwargs):
-    dstate_tile, headdim_tile = _pow2_at_least_16(named_args["dstate"]), _pow2_at_least_16(named_args["headdim"])
-    kept = [c for c in configs
-            if c.kwargs["BLOCK_M"] <= kwargs["CHUNK"] and c.kwargs["BLOCK_P"] <= headdim_tile
-            and (c.kwargs["BLOCK_N"] == dstate_tile if c.kwargs["RECOMPUTE_CB"]
-                 else c.kwargs["BLOCK_N"] <= dstate_tile)]
-    return kept or configs[-1:]
+    """Tiles clipped to the problem; the one-dstate-tile variants only where dstate allows them (the
+    launcher passes BLOCK_N: all of dstate there, 64 otherwise)."""
+    one_tile = named_args["dstate"] <= _ONE_DSTATE_TILE_MAX
+    return _fit_configs(configs, {"BLOCK_M": kwargs["CHUNK"], "BLOCK_K": "BLOCK_M",
+                                  "BLOCK_P": _pow2_at_least_16(named_args["headdim"])},
+                        lambda kw: one_tile or not (kw["RECOMPUTE_CB"] or kw["M_LOOP"]))
 
 
-def _prune_state_configs(configs, named_args, **kwargs):
-    kept = [c for c in configs if c.kwargs["BLOCK_K"] <= kwargs["CHUNK"]
-            and c.kwargs["BLOCK_P"] <= _pow2_at_least_16(named_args["headdim"])
-            and c.kwargs["BLOCK_N"] <= _pow2_at_least_16(named_args["dstate"])]
-    return kept or configs[-1:]
+def _prune_tile_configs(configs, named_args, **kwargs):
+    return _fit_configs(configs, {"BLOCK_K": kwargs["CHUNK"], "BLOCK_P": _pow2_at_least_16(named_args["headdim"]),
+                                  "BLOCK_N": _pow2_at_least_16(named_args["dstate"])})
 
 
-_SCAN_CONFIGS = [triton.Config(dict(BLOCK_M=bm, BLOCK_P=bp, BLOCK_K=bk, BLOCK_N=bn, RECOMPUTE_CB=True),
+# (BLOCK_M, BLOCK_P, BLOCK_K, warps, stages, RECOMPUTE_CB, M_LOOP); the last one serves dstate > 256
+_SCAN_CONFIGS = [triton.Config(dict(BLOCK_M=bm, BLOCK_P=bp, BLOCK_K=bk, RECOMPUTE_CB=rc, M_LOOP=ml, HEADS_FIRST=True),
                                num_warps=w, num_stages=st)
-                 for bm, bp, bk, w, st in ((64, 64, 64, 4, 2), (128, 64, 64, 8, 2), (64, 128, 64, 4, 2),
-                                           (128, 128, 64, 8, 2), (64, 64, 32, 4, 3), (128, 64, 32, 4, 3),
-                                           (128, 128, 32, 8, 3), (64, 128, 32, 8, 3))
-                 for bn in (32, 64, 128, 256)]
-_SCAN_CONFIGS += [triton.Config(dict(BLOCK_M=bm, BLOCK_P=bp, BLOCK_K=bk, BLOCK_N=bn, RECOMPUTE_CB=False),
-                                num_warps=w, num_stages=st)
-                  for bm, bp, bk, bn, w, st in ((128, 64, 32, 64, 4, 3), (128, 128, 64, 64, 8, 2))]
+                 for bm, bp, bk, w, st, rc, ml in ((64, 128, 32, 4, 3, False, True), (64, 128, 64, 4, 2, False, True),
+                                                   (64, 128, 64, 4, 3, False, True), (64, 128, 32, 4, 2, False, True),
+                                                   (64, 128, 64, 4, 2, True, False), (64, 128, 64, 4, 2, False, False))]
 _chunk_scan_tuned = triton.autotune(_SCAN_CONFIGS, key=["CHUNK", "headdim", "dstate", "ngroups", "HAS_SEQ", "HAS_Z"],
                                     prune_configs_by={"early_config_prune": _prune_scan_configs})(_chunk_scan_kernel)
+# (BLOCK_P, BLOCK_N, BLOCK_K, warps, stages)
 _STATE_CONFIGS = [triton.Config(dict(BLOCK_P=bp, BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=st)
-                  for bp, bn, bk, w, st in ((128, 128, 32, 8, 2), (64, 128, 32, 4, 3), (128, 64, 64, 8, 3),
-                                            (64, 128, 64, 8, 2), (64, 64, 64, 4, 2), (128, 128, 64, 8, 3))]
+                  for bp, bn, bk, w, st in ((128, 64, 64, 8, 3), (64, 128, 32, 4, 3), (128, 128, 32, 8, 2))]
 _chunk_state_tuned = triton.autotune(_STATE_CONFIGS, key=["CHUNK", "headdim", "dstate", "ngroups", "HAS_SEQ"],
-                                     prune_configs_by={"early_config_prune": _prune_state_configs})(_chunk_state_kernel)
+                                     prune_configs_by={"early_config_prune": _prune_tile_configs})(_chunk_state_kernel)
+# (BLOCK_P, BLOCK_N, BLOCK_K, warps, stages): 0.256 ms measured for the first, 0.29-0.30 for the last two;
+# the others untried (all compile without spills for headdim = dstate = 128)
+_FUSED_CONFIGS = [triton.Config(dict(BLOCK_P=bp, BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=st)
+                  for bp, bn, bk, w, st in ((64, 64, 128, 4, 2), (64, 64, 128, 4, 3), (64, 64, 256, 4, 2),
+                                            (64, 64, 256, 4, 1), (64, 128, 128, 8, 2), (128, 64, 128, 8, 2),
+                                            (128, 128, 128, 8, 2), (128, 128, 64, 8, 3), (128, 128, 64, 8, 2),
+                                            (64, 128, 64, 4, 3))]
+_fused_states_tuned = triton.autotune(_FUSED_CONFIGS, key=["CHUNK", "headdim", "dstate", "ngroups", "HAS_SEQ",
+                                                           "HAS_INIT"],
+                                      prune_configs_by={"early_config_prune": _prune_tile_configs})(
+    _fused_state_passing_kernel)
 TUNE_MIN_PROGRAMS = 2048  # batch * nchunks * nheads from which the tuned kernels run
+FUSED_MIN_ROWS = 128      # batch * nheads from which stages 3 and 4 run fused (SSDConfig.fuse_state_passing=None)
 
 
 def tuned_configs():
     """The configs the autotuner chose so far, per kernel (for the benchmark's record)."""
     return {name: {str(key): str(cfg) for key, cfg in kernel.cache.items()}
-            for name, kernel in (("chunk_scan", _chunk_scan_tuned), ("chunk_state", _chunk_state_tuned))}
+            for name, kernel in (("chunk_scan", _chunk_scan_tuned), ("chunk_state", _chunk_state_tuned),
+                                 ("fused_states", _fused_states_tuned))}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -536,9 +633,9 @@ def buffer_shapes(batch, seqlen, nheads, headdim, ngroups, dstate, chunk_size):
 
 def _tile(block: int, size: int, low: int) -> int:
     """A power-of-two tile no larger than needed for ``size`` and no smaller than ``low``
-    (tl.dot needs 16 when compiled); the interpreter caps it at ``_INTERPRETER_TILE``."""
+    (tl.dot needs 16 when compiled); the interpreter caps it at ``_INTERPRETER_TILE`` and has no floor."""
     if INTERPRETING:
-        return min(_INTERPRETER_TILE, triton.next_power_of_2(size))
+        return min(block, _INTERPRETER_TILE, triton.next_power_of_2(size))
     return max(low, min(block, triton.next_power_of_2(size)))
 
 
@@ -591,14 +688,16 @@ def _dims_bc(B, chunk_size):
     return _Dims(batch, seqlen, 0, 0, ngroups, dstate, chunk, nchunks_of(seqlen, chunk))
 
 
-def _tuned(config, d: _Dims) -> bool:
-    return config is None and not INTERPRETING and d.batch * d.nchunks * d.nheads >= TUNE_MIN_PROGRAMS
+def _tuned(config, d: _Dims, x) -> bool:
+    """The autotuned kernels: no explicit config, a big problem, 16-bit inputs (fp32 runs 32-wide tiles)."""
+    return config is None and not INTERPRETING and d.batch * d.nchunks * d.nheads >= TUNE_MIN_PROGRAMS \
+        and T.dtype_name(x) != "float32"
 
 
 def _launch_chunk_state(x, B, dt_out, dA_cumsum, seq_idx, states, final_states, positions, states_at, d: _Dims,
                         config: Optional[SSDConfig]):
     ncols = d.nchunks if positions is None else T.shape(positions)[0]
-    if positions is None and _tuned(config, d):
+    if positions is None and _tuned(config, d, x):
         grid = lambda meta: (triton.cdiv(d.headdim, meta["BLOCK_P"]) * triton.cdiv(d.dstate, meta["BLOCK_N"]),  # noqa
                              d.batch * ncols, d.nheads)
         _chunk_state_tuned[grid](x, B, dt_out, dA_cumsum, seq_idx, states, final_states, None, None, d.seqlen,
@@ -658,44 +757,79 @@ def ssd_chunked_fwd(x, dt, A, B, C, out, dt_out, dA_cumsum, states, CB, final_st
     ssd_chunk_cumsum(dt, A, dt_out, dA_cumsum, chunk_size=d.chunk, dt_bias=dt_bias, dt_softplus=dt_softplus,
                      dt_limit=dt_limit, config=config)
     ssd_chunk_cb(C, B, CB, chunk_size=d.chunk, config=config)
-    if config.fuse_state_passing:
-        block_p = _tile(config.fused_block_p, d.headdim, 16)
-        block_n = _tile(config.fused_block_n, d.dstate, 16)
-        grid = (triton.cdiv(d.headdim, block_p) * triton.cdiv(d.dstate, block_n), d.batch, d.nheads)
-        _fused_state_passing_kernel[grid](
-            x, B, dt_out, dA_cumsum, seq_idx, initial_states, states, final_states, d.seqlen, d.nheads, d.headdim,
-            d.ngroups, d.dstate, d.nchunks, CHUNK=d.chunk, HAS_INIT=initial_states is not None,
-            HAS_SEQ=seq_idx is not None, DOT_PRECISION=_dot_precision(x), BLOCK_P=block_p, BLOCK_N=block_n,
-            BLOCK_K=min(_tile(config.state_block_k, d.chunk, 16), d.chunk), num_warps=config.state_warps,
-            num_stages=config.state_stages)
+    fuse = config.fuse_state_passing
+    if fuse is None:
+        fuse = not INTERPRETING and d.batch * d.nheads >= FUSED_MIN_ROWS
+    if fuse:
+        _launch_fused_states(x, B, dt_out, dA_cumsum, seq_idx, initial_states, states, final_states, d, explicit)
     else:
         _launch_chunk_state(x, B, dt_out, dA_cumsum, seq_idx, states, final_states, None, None, d, explicit)
-        state_size = d.headdim * d.dstate
-        block = _tile(config.pass_block, state_size, 1) if not INTERPRETING else triton.next_power_of_2(state_size)
-        _state_passing_kernel[(triton.cdiv(state_size, block), d.batch, d.nheads)](
-            states, final_states, initial_states, dA_cumsum, seq_idx, d.seqlen, d.nheads, d.nchunks, state_size,
-            CHUNK=d.chunk, HAS_INIT=initial_states is not None, HAS_SEQ=seq_idx is not None, BLOCK=block,
-            num_warps=4)
-    scan_args = (x, B, C, CB, dt_out, dA_cumsum, states, seq_idx, D, z, out, out_x, d.seqlen, d.nheads, d.headdim,
-                 d.ngroups, d.dstate, d.nchunks)
-    scan_options = dict(CHUNK=d.chunk, HAS_SEQ=seq_idx is not None, HAS_D=D is not None,
-                        D_PER_DIM=D is not None and len(T.shape(D)) == 2, HAS_Z=z is not None,
-                        DOT_PRECISION=_dot_precision(x),
-                        SPLIT_SCORES=config.split_scores and T.dtype_name(x) == "bfloat16")
-    if _tuned(explicit, d):
-        grid = lambda meta: ((d.chunk // meta["BLOCK_M"]) * triton.cdiv(d.headdim, meta["BLOCK_P"]),  # noqa: E731
-                             d.batch * d.nchunks, d.nheads)
-        _chunk_scan_tuned[grid](*scan_args, **scan_options)
+        _launch_state_passing(states, final_states, initial_states, dA_cumsum, seq_idx, d, config)
+    _launch_chunk_scan(x, B, C, CB, dt_out, dA_cumsum, states, seq_idx, D, z, out, out_x, d, explicit)
+
+
+def _launch_state_passing(states, final_states, initial_states, dA_cumsum, seq_idx, d: _Dims, config: SSDConfig):
+    state_size = d.headdim * d.dstate
+    block = _tile(config.pass_block, state_size, 1) if not INTERPRETING else triton.next_power_of_2(state_size)
+    _state_passing_kernel[(triton.cdiv(state_size, block), d.batch, d.nheads)](
+        states, final_states, initial_states, dA_cumsum, seq_idx, d.seqlen, d.nheads, d.nchunks, state_size,
+        CHUNK=d.chunk, HAS_INIT=initial_states is not None, HAS_SEQ=seq_idx is not None, BLOCK=block, num_warps=4)
+
+
+def _launch_fused_states(x, B, dt_out, dA_cumsum, seq_idx, initial_states, states, final_states, d: _Dims,
+                         config: Optional[SSDConfig]):
+    """Stages 3+4 in one kernel; autotuned when ``config`` is None and the problem is big (``_tuned``)."""
+    args = (x, B, dt_out, dA_cumsum, seq_idx, initial_states, states, final_states, d.seqlen, d.nheads, d.headdim,
+            d.ngroups, d.dstate, d.nchunks)
+    options = dict(CHUNK=d.chunk, HAS_INIT=initial_states is not None, HAS_SEQ=seq_idx is not None,
+                   DOT_PRECISION=_dot_precision(x))
+    if _tuned(config, d, x):
+        tiles = lambda meta: triton.cdiv(d.headdim, meta["BLOCK_P"]) * triton.cdiv(d.dstate, meta["BLOCK_N"])  # noqa
+        _fused_states_tuned[lambda meta: (tiles(meta), d.batch, d.nheads)](*args, **options)
         return
-    block_m = min(_tile(config.scan_block_m, d.chunk, 16), d.chunk)
-    block_p = _tile(config.scan_block_p, d.headdim, 16)
+    config = config or DEFAULT_CONFIG
+    block_p = _tile(config.fused_block_p, d.headdim, 16)
+    block_n = _tile(config.fused_block_n, d.dstate, 16)
+    grid = (triton.cdiv(d.headdim, block_p) * triton.cdiv(d.dstate, block_n), d.batch, d.nheads)
+    _fused_state_passing_kernel[grid](*args, **options, BLOCK_P=block_p, BLOCK_N=block_n,
+                                      BLOCK_K=min(_tile(config.fused_block_k, d.chunk, 16), d.chunk),
+                                      num_warps=config.fused_warps, num_stages=config.fused_stages)
+
+
+def _launch_chunk_scan(x, B, C, CB, dt_out, dA_cumsum, states, seq_idx, D, z, out, out_x, d: _Dims,
+                       config: Optional[SSDConfig]):
+    """Stage 5; autotuned when ``config`` is None and the problem is big (``_tuned``)."""
+    args = (x, B, C, CB, dt_out, dA_cumsum, states, seq_idx, D, z, out, out_x, d.seqlen, d.nheads, d.headdim,
+            d.ngroups, d.dstate, d.nchunks)
+    split = (config or DEFAULT_CONFIG).split_scores and T.dtype_name(x) == "bfloat16"
+    options = dict(CHUNK=d.chunk, HAS_SEQ=seq_idx is not None, HAS_D=D is not None,
+                   D_PER_DIM=D is not None and len(T.shape(D)) == 2, HAS_Z=z is not None,
+                   DOT_PRECISION=_dot_precision(x), SPLIT_SCORES=split)
+
+    def grid_of(block_m, block_p, heads_first, m_loop):
+        tiles = (1 if m_loop else d.chunk // block_m) * triton.cdiv(d.headdim, block_p)
+        return (d.nheads, tiles, d.batch * d.nchunks) if heads_first else (tiles, d.batch * d.nchunks, d.nheads)
+
+    one_tile = d.dstate <= _ONE_DSTATE_TILE_MAX  # what RECOMPUTE_CB and M_LOOP need
+    dstate_tile = triton.next_power_of_2(max(d.dstate, 16))
+    if _tuned(config, d, x):
+        _chunk_scan_tuned[lambda meta: grid_of(meta["BLOCK_M"], meta["BLOCK_P"], meta["HEADS_FIRST"],
+                                               meta["M_LOOP"])](*args, **options,
+                                                                BLOCK_N=dstate_tile if one_tile else 64)
+        return
+    config = config or DEFAULT_CONFIG
+    # fp32 operands double the registers and shared memory of a tile: 32-wide token and headdim tiles
+    # (the 64-wide ones took ~8 s to compile and gain nothing: fp32 is the accuracy path)
+    cap = 32 if T.dtype_name(x) == "float32" else 1 << 30
+    block_m = min(_tile(config.scan_block_m, d.chunk, 16), d.chunk, cap)
+    block_p = min(_tile(config.scan_block_p, d.headdim, 16), cap)
     block_k = min(_tile(config.scan_block_k, d.chunk, 16), block_m)
-    recompute_cb = config.recompute_cb and d.dstate <= _RECOMPUTE_CB_MAX_DSTATE
-    block_n = triton.next_power_of_2(max(d.dstate, 16)) if recompute_cb else _tile(config.scan_block_n, d.dstate, 16)
-    grid = ((d.chunk // block_m) * triton.cdiv(d.headdim, block_p), d.batch * d.nchunks, d.nheads)
-    _chunk_scan_kernel[grid](*scan_args, **scan_options, RECOMPUTE_CB=recompute_cb, BLOCK_M=block_m,
-                             BLOCK_P=block_p, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=config.scan_warps,
-                             num_stages=config.scan_stages)
+    recompute_cb, m_loop = config.recompute_cb and one_tile, config.scan_m_loop and one_tile
+    block_n = dstate_tile if recompute_cb or m_loop else _tile(config.scan_block_n, d.dstate, 16)
+    _chunk_scan_kernel[grid_of(block_m, block_p, config.scan_heads_first, m_loop)](
+        *args, **options, RECOMPUTE_CB=recompute_cb, HEADS_FIRST=config.scan_heads_first, M_LOOP=m_loop,
+        BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=config.scan_warps,
+        num_stages=config.scan_stages)
 
 
 def ssd_states_at(x, dt, A, B, dt_out, dA_cumsum, states, positions, states_at, *, chunk_size, seq_idx=None,
@@ -713,9 +847,9 @@ def ssd_states_at(x, dt, A, B, dt_out, dA_cumsum, states, positions, states_at, 
 
 
 def compile_cases():
-    """The canonical bf16 case (D; autotuned) and fp16/fp32 at a quarter of it (fixed tiles), z + D
-    [h, p] + seq_idx + initial states + limits at an odd shape, the fused stages 3+4, and the
-    positions kernel."""
+    """The canonical bf16 case (D; autotuned, stages 3+4 fused) and fp16/fp32 at a quarter of it
+    (fixed tiles), z + D [h, p] + seq_idx + initial states + limits at an odd shape; in bf16 also the
+    fixed-tile fused stages 3+4 and the other chunk-scan variants; the positions kernel."""
     S = T.SpecTensor
     for dtype, (batch, seqlen, nheads, headdim, ngroups, dstate, chunk), extras in (
             ("bfloat16", (4, 4096, 64, 128, 1, 128, 256), False),  # autotuned: every config
@@ -735,9 +869,12 @@ def compile_cases():
         args = (x, dt, A, B, C, out, buf["dt_out"], buf["dA_cumsum"], buf["states"], buf["CB"], buf["final_states"])
         yield f"ssd_chunked_fwd[{dtype},{'extras' if extras else 'canonical'}]", \
             lambda a=args, k=kw: ssd_chunked_fwd(*a, **k)
-        if dtype == "bfloat16":
-            yield f"ssd_chunked_fwd[{dtype},{'extras' if extras else 'canonical'},fused]", \
-                lambda a=args, k=kw: ssd_chunked_fwd(*a, **k, config=SSDConfig(fuse_state_passing=True))
+        for variant, config in (("fused", SSDConfig(fuse_state_passing=True)),
+                                ("apart,recompute_cb", SSDConfig(fuse_state_passing=False, recompute_cb=True,
+                                                                 scan_m_loop=False, split_scores=True))):
+            if dtype == "bfloat16":
+                yield f"ssd_chunked_fwd[{dtype},{'extras' if extras else 'canonical'},{variant}]", \
+                    lambda a=args, k=kw, c=config: ssd_chunked_fwd(*a, **k, config=c)
         if extras:
             pos, at = S((5,), "int64"), S((batch, 5, nheads, headdim, dstate), "float32")
             yield f"ssd_states_at[{dtype}]", lambda a=args, p=pos, s=at, q=kw["seq_idx"]: ssd_states_at(
