@@ -71,6 +71,7 @@ CASES = {
     "channel_D_bf16": ("bfloat16", (2, 40, 8, 16, 1, 16), 16,
                        dict(D="channel", z=True, dt_bias=True, softplus=True, dfinal=True)),
     "seq_fp16": ("float16", (1, 33, 8, 8, 2, 4), 4, dict(seq_idx=True, initial_states=True, D="head")),
+    "headdim_40_fp32": ("float32", (2, 19, 4, 40, 1, 16), 8, dict(D="channel", dt_bias=True, softplus=True)),
 }
 
 
@@ -80,6 +81,28 @@ def _rand(shape, scale=1.0):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_gradients_match_float64_autograd(case):
+    _check_case(case)
+
+
+@pytest.mark.parametrize("case, tuning", [
+    ("all_options_fp32", dict(fused_passing=(16, 32, 16, 4, 2))),
+    ("plain_fp32", dict(fused_passing=(16, 32, 16, 4, 2))),
+    ("channel_D_bf16", dict(states_lp=False)),
+    ("seq_fp16", dict(fused_passing=(16, 16, 16, 4, 2), states_lp=False)),
+    ("headdim_40_fp32", dict(dx=(16, 16, 16, 16, 4, 2, False, False))),
+    ("all_options_fp32", dict(dx=(16, 16, 16, 16, 4, 2, True, True))),
+    ("headdim_40_fp32", dict(dx=(16, 16, 16, 16, 4, 2, False, True)))])
+def test_launch_variants_match_float64_autograd(case, tuning, monkeypatch):
+    """The launch paths the defaults do not take at these sizes (``TUNING``): stages 3-4 as one kernel
+    (headdim/dstate in several blocks), the chunk-state dC product on the fp32 states, headdim split
+    over dx programs, dx programs ordered chunk first and walking the chunk's token blocks."""
+    from paddlenlp_fused.kernels.triton import ssd_backward
+    for key, value in tuning.items():
+        monkeypatch.setitem(ssd_backward.TUNING, key, value)
+    _check_case(case)
+
+
+def _check_case(case):
     dtype, (batch, seqlen, nheads, P, ngroups, N), K, opt = CASES[case]
     x = paddle.to_tensor(_rand((batch, seqlen, nheads, P))).astype(dtype)
     dt = paddle.to_tensor(_rand((batch, seqlen, nheads), 0.5) + (0.0 if opt.get("softplus") else 0.7)).astype(dtype)

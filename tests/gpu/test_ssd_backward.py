@@ -196,6 +196,27 @@ def test_gradients_match_float64(provider, case, dtype):
     run_case(provider, dtype, dims, K, opt)
 
 
+VARIANTS = {"fused": dict(fused_passing=(32, 32, 32, 4, 2)), "fp32_states": dict(states_lp=False),
+            "fused_fp32_states": dict(fused_passing=(32, 32, 32, 4, 2), states_lp=False),
+            "split_p": dict(dx=(64, 64, 64, 32, 4, 2, False, False)),
+            "dx_token_loop": dict(dx=(64, 32, 128, 128, 8, 3, True, True))}
+
+
+@pytest.mark.parametrize("variant, dtype", [("fused", "float32"), ("fused", "bfloat16"), ("fp32_states", "bfloat16"),
+                                            ("fused_fp32_states", "float16"), ("split_p", "bfloat16"),
+                                            ("split_p", "float32"), ("dx_token_loop", "bfloat16"),
+                                            ("dx_token_loop", "float32")])
+def test_launch_variants(provider, variant, dtype, monkeypatch):
+    """The launch paths the defaults do not take at these sizes (``TUNING``): stages 3-4 as one kernel
+    (headdim/dstate in several blocks), the chunk-state dC product on the fp32 states, headdim split
+    over dx programs (chunk-first order), dx programs walking the chunk's token blocks; every option."""
+    from paddlenlp_fused.kernels.triton import ssd_backward
+    for key, value in VARIANTS[variant].items():
+        monkeypatch.setitem(ssd_backward.TUNING, key, value)
+    run_case(provider, dtype, (1, 1000, 6, 80, 2, 40), 128, ALL)
+    run_case(provider, dtype, (2, 517, 8, 64, 1, 128), 256, dict(D="head", dfinal=True, softplus=True))
+
+
 def test_benchmark_layout_bf16(provider):
     """The benchmark's head layout (headdim 128, dstate 128, chunk 256, 1 group) on a shorter sequence."""
     run_case(provider, "bfloat16", (1, 1024, 16, 128, 1, 128), 256, dict(D="head", z=True, seq_idx=True,

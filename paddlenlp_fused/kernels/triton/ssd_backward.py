@@ -20,14 +20,18 @@ Backward stages (one launch each, in order):
 2. ``_prep_kernel``: per chunk, the run numbers (with seq_idx) and a zeroed ``ddA_cumsum`` workspace.
 3. ``_dstates_kernel``: G_c = sum_t [t in run entering c] exp(cs_t) dy_t C_t^T  [headdim, dstate].
 4. ``_state_passing_bwd_kernel``: reverse over chunks, dS_c = G_c + carry_c dS_c+1 (dS_nchunks =
-   dfinal_states); leaves dS_c+1 (the gradient of chunk c's end state) in the ``dstates`` workspace,
-   writes dinitial_states = dS_0, adds carry_c <dS_c+1, S_c> to d cs_end.
+   dfinal_states); writes dS_c+1 (the gradient of chunk c's end state) in x's dtype to the
+   ``dstates_next`` workspace, dinitial_states = dS_0, and adds carry_c <dS_c+1, S_c> to d cs_end.
+   (``_dstates_passing_kernel`` does 3 and 4 in one launch, computing G_c inside the chunk loop.)
 5. ``_chunk_dx_kernel`` per (chunk, block of tokens s, head): dx, the part of d dt_s that multiplies
-   dt_s directly, the D gradient, and d cs from the intra, inter and chunk-state terms.
-6. ``_chunk_dbdc_kernel`` per (chunk, tile of (t, s) token blocks, group, split of its heads): dCB
-   summed over the heads of the group, then dC_t += dCB B_s, dB_s += dCB^T C_t; extra programs add
-   the inter-chunk dC (dy S_c) and chunk-state dB (x dS_c+1) terms.
-7. ``_dt_bwd_kernel``: d dt_out = direct part + A * reverse-cumsum(d cs) inside the chunk, dA, then
+   dt_s directly, the D gradient, and the chunk-state term of d cs.
+6. ``_chunk_dcb_kernel`` per (chunk, (t, s) tile of token blocks, group, split of its heads): per head
+   dcb_ts = exp(cs_t - cs_s) dt_s <dy_t, x_s> (s <= t, same run), whose product with CB_ts is the
+   intra-chunk term of d cs; dCB = sum over the group's heads, then dC_t += dCB B_s, dB_s += dCB^T C_t.
+7. ``_chunk_state_dbdc_kernel`` per (chunk, block of tokens, group, split of its heads): the
+   inter-chunk dC_t += exp(cs_t) dy_t S_c (and its d cs term) and the chunk-state dB_s += e_s dt_s
+   x_s dS_c+1, each a product whose reduction runs over heads x headdim.
+8. ``_dt_bwd_kernel``: d dt_out = direct part + A * reverse-cumsum(d cs) inside the chunk, dA, then
    through the clip (zero gradient where clipped), softplus and dt_bias to ddt, ddt_bias.
 
 Shapes: x, z, dout, out_x, dx, dz ``[batch, seqlen, nheads, headdim]``; dt, ddt ``[batch, seqlen,
@@ -46,6 +50,7 @@ needs no ordering, and the default acq_rel fences stall every program's memory t
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import triton
@@ -60,14 +65,19 @@ _INT_DTYPES = ("int32", "int64")
 def workspace_shapes(batch: int, seqlen: int, nheads: int, headdim: int, dstate: int, chunk_size: int,
                      has_z: bool, dout_dtype: str):
     """The scratch ``ssd_chunked_bwd`` needs, as ``{name: (shape, dtype)}``; the caller allocates each
-    (contents need not be initialised) and passes the dict as ``workspace=``. ``dy`` only with z."""
+    (contents need not be initialised) and passes the dict as ``workspace=``. ``dy`` only with z;
+    ``dstates`` (G_c, fp32) only when stages 3-4 run as two kernels (``TUNING`` at this call)."""
     nchunks = max(1, -(-seqlen // chunk_size))
     shapes = {
-        "dstates": ((batch, nchunks, nheads, headdim, dstate), "float32"),
         "ddA_cumsum": ((batch, nheads, nchunks, chunk_size), "float32"),
         "ddt_direct": ((batch, nheads, nchunks, chunk_size), "float32"),
         "runs": ((batch, nchunks, chunk_size), "int32"),
+        "dstates_next": ((batch, nchunks, nheads, headdim, dstate), dout_dtype),
     }
+    if _fused_passing_config(batch, nheads, chunk_size, headdim, dstate) is None:
+        shapes["dstates"] = ((batch, nchunks, nheads, headdim, dstate), "float32")
+    if dout_dtype != "float32":  # the states in x's dtype for the chunk-state dC product
+        shapes["states_lp"] = ((batch, nchunks, nheads, headdim, dstate), dout_dtype)
     if has_z:
         shapes["dy"] = ((batch, seqlen, nheads, headdim), dout_dtype)
     return shapes
@@ -114,10 +124,11 @@ def _gate_bwd_kernel(dout_ptr, z_ptr, out_x_ptr, dz_ptr, dy_ptr, n_rows, P,
 
 
 @triton.jit
-def _prep_kernel(seq_idx_ptr, runs_ptr, ddA_ptr, seqlen, nheads, nchunks, K,
-                 HAS_SEQ: tl.constexpr, BLOCK_K: tl.constexpr):
+def _prep_kernel(seq_idx_ptr, runs_ptr, ddA_ptr, ddt_direct_ptr, seqlen, nheads, nchunks, K,
+                 HAS_SEQ: tl.constexpr, ZERO_DIRECT: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (chunk, batch): run numbers inside the chunk (changes of seq_idx since the token
-    before it; padded tokens stay in the last run) and zeros in d cs for every head."""
+    before it; padded tokens stay in the last run) and zeros in d cs (and, when the dx stage
+    accumulates it, the direct part of d dt) for every head."""
     c = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     k = tl.arange(0, BLOCK_K)
@@ -132,6 +143,8 @@ def _prep_kernel(seq_idx_ptr, runs_ptr, ddA_ptr, seqlen, nheads, nchunks, K,
     zeros = tl.zeros([BLOCK_K], dtype=tl.float32)
     for h in range(nheads):
         tl.store(ddA_ptr + ((b * nheads + h) * nchunks + c) * K + k, zeros, mask=in_chunk)
+        if ZERO_DIRECT:
+            tl.store(ddt_direct_ptr + ((b * nheads + h) * nchunks + c) * K + k, zeros, mask=in_chunk)
 
 
 @triton.jit
@@ -154,22 +167,12 @@ def _token_info(dt_out_ptr, dA_cs_ptr, runs_ptr, b, h, c, t, seqlen, nheads, nch
 
 
 @triton.jit
-def _dstates_kernel(dy_ptr, C_ptr, dt_out_ptr, dA_cs_ptr, runs_ptr, G_ptr,
-                    seqlen, nheads, ngroups, nchunks, K, P, N, heads_per_group,
-                    HAS_SEQ: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Program (batch * chunk, P block * N block, head): G_c[p, n] = sum_t w_t dy_t[p] C_t[n] with
-    w_t = exp(cs_t) for the tokens of the run entering the chunk. Written to G_ptr [b, c, h, P, N]."""
-    n_pb = tl.cdiv(P, BLOCK_P)
-    pb = tl.program_id(1) % n_pb
-    nb = tl.program_id(1) // n_pb
-    b = (tl.program_id(0) // nchunks).to(tl.int64)
-    c = tl.program_id(0) % nchunks
-    h = tl.program_id(2)
-    g = h // heads_per_group
+def _chunk_G(dy_ptr, C_ptr, dt_out_ptr, dA_cs_ptr, runs_ptr, b, c, h, g, p, n, seqlen, nheads, ngroups, nchunks,
+             K, P, N, HAS_SEQ: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+             DOT_PRECISION: tl.constexpr):
+    """G_c[p, n] = sum_t w_t dy_t[p] C_t[n] over chunk c, w_t = exp(cs_t) for the tokens of the run
+    entering the chunk: the gradient of the state entering c through this chunk's outputs [P, N]."""
     DOT_DTYPE = dy_ptr.dtype.element_ty
-    p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     for t0 in range(0, K, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
@@ -182,17 +185,81 @@ def _dstates_kernel(dy_ptr, C_ptr, dt_out_ptr, dA_cs_ptr, runs_ptr, G_ptr,
         Ct = tl.load(C_ptr + (tok[:, None] * ngroups + g) * N + n[None, :],
                      mask=valid[:, None] & (n[None, :] < N), other=0.0).to(tl.float32)
         acc += _mm(dyT, Ct * w[:, None], DOT_DTYPE, DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _dstates_kernel(dy_ptr, C_ptr, dt_out_ptr, dA_cs_ptr, runs_ptr, G_ptr,
+                    seqlen, nheads, ngroups, nchunks, K, P, N, heads_per_group,
+                    HAS_SEQ: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program (batch * chunk, P block * N block, head): G_c (``_chunk_G``) into G_ptr [b, c, h, P, N]."""
+    n_pb = tl.cdiv(P, BLOCK_P)
+    pb = tl.program_id(1) % n_pb
+    nb = tl.program_id(1) // n_pb
+    b = (tl.program_id(0) // nchunks).to(tl.int64)
+    c = tl.program_id(0) % nchunks
+    h = tl.program_id(2)
+    p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _chunk_G(dy_ptr, C_ptr, dt_out_ptr, dA_cs_ptr, runs_ptr, b, c, h, h // heads_per_group, p, n, seqlen,
+                   nheads, ngroups, nchunks, K, P, N, HAS_SEQ, BLOCK_P, BLOCK_N, BLOCK_T, DOT_PRECISION)
     out = ((b * nchunks + c) * nheads + h) * P * N
     tl.store(G_ptr + out + p[:, None] * N + n[None, :], acc, mask=(p[:, None] < P) & (n[None, :] < N))
 
 
 @triton.jit
-def _state_passing_bwd_kernel(G_ptr, states_ptr, dA_cs_ptr, runs_ptr, dfinal_ptr, dinit_ptr, ddA_ptr,
-                              nheads, nchunks, K, PN,
+def _dstates_passing_kernel(dy_ptr, C_ptr, dt_out_ptr, dA_cs_ptr, runs_ptr, states_ptr, dfinal_ptr, dinit_ptr,
+                            ddA_ptr, dSn_ptr, S_lp_ptr, seqlen, nheads, ngroups, nchunks, K, P, N, heads_per_group,
+                            HAS_SEQ: tl.constexpr, HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr,
+                            WRITE_S_LP: tl.constexpr,
+                            BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+                            DOT_PRECISION: tl.constexpr):
+    """Stages 3 and 4 in one (no G round trip). Program (P block * N block, batch, head): reverse over
+    chunks, dS_c = G_c + carry_c dS_c+1 with G_c computed in place (``_chunk_G``); writes dS_c+1 to
+    dSn_ptr (x's dtype), carry_c <dS_c+1, S_c> to d cs_end, and dinitial_states = dS_0."""
+    n_pb = tl.cdiv(P, BLOCK_P)
+    pb = tl.program_id(0) % n_pb
+    nb = tl.program_id(0) // n_pb
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    pn_mask = (p[:, None] < P) & (n[None, :] < N)
+    pn = p[:, None] * N + n[None, :]
+    bh = (b * nheads + h) * P * N
+    if HAS_DFINAL:
+        dS = tl.load(dfinal_ptr + bh + pn, mask=pn_mask, other=0.0).to(tl.float32)
+    else:
+        dS = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for k in range(nchunks):
+        c = nchunks - 1 - k
+        state = ((b * nchunks + c) * nheads + h) * P * N
+        tl.store(dSn_ptr + state + pn, _cast(dS, dSn_ptr.dtype.element_ty), mask=pn_mask)
+        S = tl.load(states_ptr + state + pn, mask=pn_mask, other=0.0)
+        if WRITE_S_LP:
+            tl.store(S_lp_ptr + state + pn, _cast(S, S_lp_ptr.dtype.element_ty), mask=pn_mask)
+        end = ((b * nheads + h) * nchunks + c) * K + K - 1
+        carry = tl.exp(tl.load(dA_cs_ptr + end))
+        if HAS_SEQ:
+            carry = tl.where(tl.load(runs_ptr + (b * nchunks + c) * K + K - 1) == 0, carry, 0.0)
+        tl.atomic_add(ddA_ptr + end, carry * tl.sum(tl.sum(dS * S, axis=1), axis=0), sem="relaxed")
+        G = _chunk_G(dy_ptr, C_ptr, dt_out_ptr, dA_cs_ptr, runs_ptr, b, c, h, h // heads_per_group, p, n, seqlen,
+                     nheads, ngroups, nchunks, K, P, N, HAS_SEQ, BLOCK_P, BLOCK_N, BLOCK_T, DOT_PRECISION)
+        dS = G + carry * dS
+    if HAS_DINIT:
+        tl.store(dinit_ptr + bh + pn, dS, mask=pn_mask)
+
+
+@triton.jit
+def _state_passing_bwd_kernel(G_ptr, states_ptr, dA_cs_ptr, runs_ptr, dfinal_ptr, dinit_ptr, ddA_ptr, dSn_ptr,
+                              S_lp_ptr, nheads, nchunks, K, PN,
                               HAS_SEQ: tl.constexpr, HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr,
+                              WRITE_S_LP: tl.constexpr,
                               BLOCK: tl.constexpr):
-    """Program (block of headdim*dstate, batch, head): reverse over chunks. Replaces G_c in place by
-    dS_c+1 (gradient of chunk c's end state) and adds carry_c <dS_c+1, S_c> to d cs_end."""
+    """Program (block of headdim*dstate, batch, head): reverse over chunks, dS_c = G_c + carry_c dS_c+1.
+    Writes dS_c+1 (gradient of chunk c's end state) to dSn_ptr in its dtype (x's: the matrix products
+    take it in that dtype anyway) and adds carry_c <dS_c+1, S_c> to d cs_end."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2)
@@ -214,7 +281,9 @@ def _state_passing_bwd_kernel(G_ptr, states_ptr, dA_cs_ptr, runs_ptr, dfinal_ptr
         more = mask & (c > 0)
         G_next = tl.load(G_ptr + head + (c - 1) * step, mask=more, other=0.0)
         S_next = tl.load(states_ptr + head + (c - 1) * step, mask=more, other=0.0)
-        tl.store(G_ptr + head + c * step, dS, mask=mask)
+        tl.store(dSn_ptr + head + c * step, _cast(dS, dSn_ptr.dtype.element_ty), mask=mask)
+        if WRITE_S_LP:
+            tl.store(S_lp_ptr + head + c * step, _cast(S, S_lp_ptr.dtype.element_ty), mask=mask)
         end = ((b * nheads + h) * nchunks + c) * K + K - 1
         carry = tl.exp(tl.load(dA_cs_ptr + end).to(tl.float32))
         if HAS_SEQ:
@@ -226,114 +295,127 @@ def _state_passing_bwd_kernel(G_ptr, states_ptr, dA_cs_ptr, runs_ptr, dfinal_ptr
 
 
 @triton.jit
-def _chunk_dx_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, CB_ptr, dt_out_ptr, dA_cs_ptr, runs_ptr, states_ptr,
-                     dSn_ptr, D_ptr, dx_ptr, ddt_direct_ptr, ddA_ptr, dD_ptr,
+def _chunk_dx_kernel(x_ptr, dy_ptr, B_ptr, CB_ptr, dt_out_ptr, dA_cs_ptr, runs_ptr, dSn_ptr, D_ptr,
+                     dx_ptr, ddt_direct_ptr, ddA_ptr, dD_ptr,
                      seqlen, nheads, ngroups, nchunks, K, P, N, heads_per_group,
                      HAS_SEQ: tl.constexpr, HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
-                     BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                     SPLIT_P: tl.constexpr, HEADS_FIRST: tl.constexpr, S_LOOP: tl.constexpr,
                      DOT_PRECISION: tl.constexpr):
-    """Program (batch * chunk, block of tokens s, head), all of headdim:
-    dx_s = dt_s (sum_{t>=s} L_ts dy_t + e_s dS_c+1 B_s) + D dy_s with L_ts = CB_ts exp(cs_t - cs_s)
-    (same run) and e_s = exp(cs_end - cs_s) (s in the run ending the chunk); the bracket dotted with
-    x_s is the direct part of d dt_s. d cs: intra W_ts = L_ts dt_s <dy_t, x_s> (+ at t, - at s),
-    chunk-state Q_s = e_s dt_s <x_s, dS_c+1 B_s> (- at s, + at the end), inter exp(cs_s) <dy_s, S_c C_s>."""
-    b = (tl.program_id(0) // nchunks).to(tl.int64)
-    c = tl.program_id(0) % nchunks
-    sb = tl.program_id(1)
-    h = tl.program_id(2)
+    """Program (batch * chunk, tile, head), or (head, tile, batch * chunk) with HEADS_FIRST (the
+    programs running together share the chunk's B and CB in L2). A tile is a block of tokens s x
+    BLOCK_P of headdim; with S_LOOP it is BLOCK_P of headdim and the program walks the chunk's token
+    blocks, loading dS_c+1 once (BLOCK_N >= dstate). SPLIT_P: headdim in several blocks, whose parts
+    of d dt are added atomically. Per token s:
+    dx_s = dt_s acc_s + D dy_s with acc_s = e_s dS_c+1 B_s + sum_{t>=s} L_ts dy_t, L_ts = CB_ts
+    exp(cs_t - cs_s) (same run), e_s = exp(cs_end - cs_s) (s in the run ending the chunk); <acc_s, x_s>
+    is the direct part of d dt_s. d cs here: the chunk-state term Q_s = e_s dt_s <x_s, dS_c+1 B_s>
+    (- at s, + at the end); the intra and inter terms come from the dC/dB kernels."""
+    if HEADS_FIRST:
+        h, tile, bc = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    else:
+        bc, tile, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b = (bc // nchunks).to(tl.int64)
+    c = bc % nchunks
+    n_pb = tl.cdiv(P, BLOCK_P)
+    p = (tile % n_pb) * BLOCK_P + tl.arange(0, BLOCK_P)
+    if S_LOOP:
+        s_first, s_end = 0, K
+    else:
+        s_first = (tile // n_pb) * BLOCK_S
+        s_end = s_first + 1
     g = h // heads_per_group
     DOT_DTYPE = x_ptr.dtype.element_ty
-    s = sb * BLOCK_S + tl.arange(0, BLOCK_S)
-    p = tl.arange(0, BLOCK_P)
-    valid_s, dt_s, cs_s, cs_end, run_s, run_end = _token_info(dt_out_ptr, dA_cs_ptr, runs_ptr, b, h, c, s, seqlen,
-                                                              nheads, nchunks, K, HAS_SEQ)
-    tok_s = (b * seqlen + c * K + s).to(tl.int64)
-    sp_mask = valid_s[:, None] & (p[None, :] < P)
-    xs_offs = (tok_s[:, None] * nheads + h) * P + p[None, :]
-    x_s = tl.load(x_ptr + xs_offs, mask=sp_mask, other=0.0)  # kept in the input dtype: registers are tight
-    dy_s = tl.load(dy_ptr + xs_offs, mask=sp_mask, other=0.0)
-    # states enter through [S, N] x [N, P] products, N in slices of BLOCK_N (whole [N, P] fp32 tiles spill)
     state = ((b * nchunks + c) * nheads + h) * P * N
-    dSB = tl.zeros([BLOCK_S, BLOCK_P], dtype=tl.float32)                         # B_s dS_c+1^T
-    CS = tl.zeros([BLOCK_S, BLOCK_P], dtype=tl.float32)                          # C_s S_c^T
-    for n0 in range(0, N, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        sn_mask = valid_s[:, None] & (n[None, :] < N)
-        bc_offs = (tok_s[:, None] * ngroups + g) * N + n[None, :]
-        np_mask = (n[:, None] < N) & (p[None, :] < P)
-        np_offs = state + p[None, :] * N + n[:, None]
-        B_s = tl.load(B_ptr + bc_offs, mask=sn_mask, other=0.0)
-        dSnT = tl.load(dSn_ptr + np_offs, mask=np_mask, other=0.0)               # [N, P]
-        dSB += _mm(B_s, dSnT, DOT_DTYPE, DOT_PRECISION)
-        C_s = tl.load(C_ptr + bc_offs, mask=sn_mask, other=0.0)
-        ST = tl.load(states_ptr + np_offs, mask=np_mask, other=0.0)              # [N, P]
-        CS += _mm(C_s, ST, DOT_DTYPE, DOT_PRECISION)
-
-    # chunk-state term
-    e_s = tl.where(valid_s & (run_s == run_end), tl.exp(cs_end - cs_s), 0.0)
-    acc = dSB * e_s[:, None]
-    Q = dt_s * tl.sum(acc * x_s.to(tl.float32), axis=1)
-    ddA_s = -Q
-    ddA_end = tl.sum(Q, axis=0)
-
-    # inter-chunk term
-    w_in = tl.where(valid_s & (run_s == 0), tl.exp(cs_s), 0.0)
-    ddA_s += w_in * tl.sum(dy_s.to(tl.float32) * CS, axis=1)
-
-    # intra-chunk term, tokens t >= s
     row = ((b * nheads + h) * nchunks + c) * K
     cb_base = ((b * nchunks + c) * ngroups + g) * K * K
-    for t0 in range(sb * BLOCK_S, K, BLOCK_S):
-        t = t0 + tl.arange(0, BLOCK_S)
-        valid_t = (t < K) & (c * K + t < seqlen)
-        cs_t = tl.load(dA_cs_ptr + row + t, mask=t < K, other=0.0)
-        tok_t = (b * seqlen + c * K + t).to(tl.int64)
-        dy_t = tl.load(dy_ptr + (tok_t[:, None] * nheads + h) * P + p[None, :],
-                       mask=valid_t[:, None] & (p[None, :] < P), other=0.0)
-        keep = (t[None, :] >= s[:, None]) & valid_t[None, :] & valid_s[:, None]
-        if HAS_SEQ:
-            run_t = tl.load(runs_ptr + (b * nchunks + c) * K + t, mask=t < K, other=-1)
-            keep = keep & (run_t[None, :] == run_s[:, None])
-        CBT = tl.load(CB_ptr + cb_base + t[None, :] * K + s[:, None], mask=keep, other=0.0)   # [S, T]
-        LT = CBT * tl.exp(tl.where(keep, cs_t[None, :] - cs_s[:, None], float("-inf")))
-        acc += _mm(LT, dy_t, DOT_DTYPE, DOT_PRECISION)
-        dyx = _mm(x_s, tl.trans(dy_t), DOT_DTYPE, DOT_PRECISION)                # [S, T]
-        W = LT * dyx * dt_s[:, None]
-        ddA_s -= tl.sum(W, axis=1)
-        tl.atomic_add(ddA_ptr + row + t, tl.sum(W, axis=0), mask=t < K, sem="relaxed")
-
-    dx = acc * dt_s[:, None]
-    if HAS_D:  # dy_s loaded again rather than kept live through the loop (registers)
-        dy_s = tl.load(dy_ptr + xs_offs, mask=sp_mask, other=0.0)
+    if S_LOOP:  # dS_c+1^T [N, P], once per program
+        n_all = tl.arange(0, BLOCK_N)
+        dSnT_all = tl.load(dSn_ptr + state + p[None, :] * N + n_all[:, None],
+                           mask=(n_all[:, None] < N) & (p[None, :] < P), other=0.0)
+    if HAS_D:
         if D_PER_CHANNEL:
-            Dv = tl.load(D_ptr + h * P + p, mask=p < P, other=0.0).to(tl.float32)
-            dx += Dv[None, :] * dy_s.to(tl.float32)
-            tl.atomic_add(dD_ptr + h * P + p, tl.sum(dy_s.to(tl.float32) * x_s.to(tl.float32), axis=0),
-                          mask=p < P, sem="relaxed")
+            Dv = tl.load(D_ptr + h * P + p, mask=p < P, other=0.0).to(tl.float32)[None, :]
         else:
-            dx += tl.load(D_ptr + h).to(tl.float32) * dy_s.to(tl.float32)
-            dD_h = tl.sum(tl.sum(dy_s.to(tl.float32) * x_s.to(tl.float32), axis=1), axis=0)
-            tl.atomic_add(dD_ptr + h, dD_h, sem="relaxed")
-    tl.store(dx_ptr + xs_offs, _cast(dx, dx_ptr.dtype.element_ty), mask=sp_mask)
-    tl.store(ddt_direct_ptr + row + s, tl.sum(acc * x_s.to(tl.float32), axis=1), mask=s < K)
-    tl.atomic_add(ddA_ptr + row + s, ddA_s, mask=s < K, sem="relaxed")
-    tl.atomic_add(ddA_ptr + row + K - 1, ddA_end, sem="relaxed")
+            Dv = tl.load(D_ptr + h).to(tl.float32)
+    for s0 in range(s_first, s_end, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        valid_s, dt_s, cs_s, cs_end, run_s, run_end = _token_info(dt_out_ptr, dA_cs_ptr, runs_ptr, b, h, c, s,
+                                                                  seqlen, nheads, nchunks, K, HAS_SEQ)
+        tok_s = (b * seqlen + c * K + s).to(tl.int64)
+        sp_mask = valid_s[:, None] & (p[None, :] < P)
+        xs_offs = (tok_s[:, None] * nheads + h) * P + p[None, :]
+        # chunk-state term: B_s dS_c+1^T (N in slices of BLOCK_N without S_LOOP)
+        if S_LOOP:
+            B_s = tl.load(B_ptr + (tok_s[:, None] * ngroups + g) * N + n_all[None, :],
+                          mask=valid_s[:, None] & (n_all[None, :] < N), other=0.0)
+            acc = _mm(B_s, dSnT_all, DOT_DTYPE, DOT_PRECISION)
+        else:
+            acc = tl.zeros([BLOCK_S, BLOCK_P], dtype=tl.float32)
+            for n0 in range(0, N, BLOCK_N):
+                n = n0 + tl.arange(0, BLOCK_N)
+                B_s = tl.load(B_ptr + (tok_s[:, None] * ngroups + g) * N + n[None, :],
+                              mask=valid_s[:, None] & (n[None, :] < N), other=0.0)
+                dSnT = tl.load(dSn_ptr + state + p[None, :] * N + n[:, None],
+                               mask=(n[:, None] < N) & (p[None, :] < P), other=0.0)      # [N, P]
+                acc += _mm(B_s, dSnT, DOT_DTYPE, DOT_PRECISION)
+        e_s = tl.where(valid_s & (run_s == run_end), tl.exp(cs_end - cs_s), 0.0)
+        acc = acc * e_s[:, None]
+        x_s = tl.load(x_ptr + xs_offs, mask=sp_mask, other=0.0)
+        Q = dt_s * tl.sum(acc * x_s.to(tl.float32), axis=1)
+
+        # intra-chunk term, tokens t >= s
+        for t0 in range(s0 // BLOCK_T * BLOCK_T, K, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            valid_t = (t < K) & (c * K + t < seqlen)
+            cs_t = tl.load(dA_cs_ptr + row + t, mask=t < K, other=0.0)
+            tok_t = (b * seqlen + c * K + t).to(tl.int64)
+            dy_t = tl.load(dy_ptr + (tok_t[:, None] * nheads + h) * P + p[None, :],
+                           mask=valid_t[:, None] & (p[None, :] < P), other=0.0)
+            keep = (t[None, :] >= s[:, None]) & valid_t[None, :] & valid_s[:, None]
+            if HAS_SEQ:
+                run_t = tl.load(runs_ptr + (b * nchunks + c) * K + t, mask=t < K, other=-1)
+                keep = keep & (run_t[None, :] == run_s[:, None])
+            # a rectangular mask keeps the load vectorised; the triangle and runs are applied after
+            CBT = tl.load(CB_ptr + cb_base + t[None, :] * K + s[:, None], mask=(t[None, :] < K) & (s[:, None] < K),
+                          other=0.0)                                                 # [S, T]
+            LT = tl.where(keep, CBT * tl.exp(cs_t[None, :] - cs_s[:, None]), 0.0)
+            acc += _mm(LT, dy_t, DOT_DTYPE, DOT_PRECISION)
+
+        x_s = x_s.to(tl.float32)
+        dx = acc * dt_s[:, None]
+        if HAS_D:
+            dy_s = tl.load(dy_ptr + xs_offs, mask=sp_mask, other=0.0).to(tl.float32)
+            dx += Dv * dy_s
+            if D_PER_CHANNEL:
+                tl.atomic_add(dD_ptr + h * P + p, tl.sum(dy_s * x_s, axis=0), mask=p < P, sem="relaxed")
+            else:
+                tl.atomic_add(dD_ptr + h, tl.sum(tl.sum(dy_s * x_s, axis=1), axis=0), sem="relaxed")
+        tl.store(dx_ptr + xs_offs, _cast(dx, dx_ptr.dtype.element_ty), mask=sp_mask)
+        if SPLIT_P:
+            tl.atomic_add(ddt_direct_ptr + row + s, tl.sum(acc * x_s, axis=1), mask=s < K, sem="relaxed")
+        else:
+            tl.store(ddt_direct_ptr + row + s, tl.sum(acc * x_s, axis=1), mask=s < K)
+        tl.atomic_add(ddA_ptr + row + s, -Q, mask=s < K, sem="relaxed")
+        tl.atomic_add(ddA_ptr + row + K - 1, tl.sum(Q, axis=0), sem="relaxed")
 
 
 @triton.jit
-def _chunk_dbdc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, dt_out_ptr, dA_cs_ptr, runs_ptr, states_ptr, dSn_ptr,
-                       dB_ptr, dC_ptr, seqlen, nheads, ngroups, nchunks, K, P, N, heads_per_group, heads_per_split,
-                       n_splits, HAS_SEQ: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
-                       BLOCK_N: tl.constexpr, SLICE_P: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Program (batch * chunk, tile, group * split). Tiles (tb, sb) with sb <= tb of the nblk x nblk
-    token blocks: dCB_ts = sum_h [s<=t, same run] exp(cs_t - cs_s) dt_s <dy_t, x_s> over this split's
-    heads, then dC_t += dCB B_s and dB_s += dCB^T C_t. Tiles nblk*nblk + j: for token block j,
-    dC_t += exp(cs_t) dy_t S_c (run entering the chunk) and dB_s += e_s dt_s x_s dS_c+1 per head.
-    All added atomically into the fp32 dB, dC."""
+def _chunk_dcb_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, CB_ptr, dt_out_ptr, dA_cs_ptr, runs_ptr, ddA_ptr, dB_ptr, dC_ptr,
+                      seqlen, nheads, ngroups, nchunks, K, P, N, heads_per_group, heads_per_split, n_splits,
+                      HAS_SEQ: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
+    """Program (batch * chunk, tile (tb, sb) of the nblk x nblk token blocks, group * split); tiles with
+    sb > tb exit. Over this split's heads: dcb_ts = [s<=t, same run] exp(cs_t - cs_s) dt_s <dy_t, x_s>;
+    per head, W_ts = CB_ts dcb_ts gives the intra d cs (+ at t, - at s); summed over the heads
+    dCB gives dC_t += dCB B_s and dB_s += dCB^T C_t (atomic adds into the fp32 dB, dC)."""
     nblk = tl.cdiv(K, BLOCK)
     b = (tl.program_id(0) // nchunks).to(tl.int64)
     c = tl.program_id(0) % nchunks
-    tile = tl.program_id(1)
+    tb = tl.program_id(1) // nblk
+    sb = tl.program_id(1) % nblk
+    if sb > tb:
+        return
     g = tl.program_id(2) // n_splits
     split = tl.program_id(2) % n_splits
     h_begin = g * heads_per_group + split * heads_per_split
@@ -341,69 +423,118 @@ def _chunk_dbdc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, dt_out_ptr, dA_cs_ptr, runs_
     DOT_DTYPE = x_ptr.dtype.element_ty
     p = tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
-    if tile < nblk * nblk:
-        tb = tile // nblk
-        sb = tile % nblk
-        if sb <= tb:
-            t = tb * BLOCK + tl.arange(0, BLOCK)
-            s = sb * BLOCK + tl.arange(0, BLOCK)
-            tok_t = (b * seqlen + c * K + t).to(tl.int64)
-            tok_s = (b * seqlen + c * K + s).to(tl.int64)
-            dCB = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
-            for h in range(h_begin, h_end):
-                valid_t, dt_t, cs_t, cs_end, run_t, run_end = _token_info(
-                    dt_out_ptr, dA_cs_ptr, runs_ptr, b, h, c, t, seqlen, nheads, nchunks, K, HAS_SEQ)
-                valid_s, dt_s, cs_s, cs_end, run_s, run_end = _token_info(
-                    dt_out_ptr, dA_cs_ptr, runs_ptr, b, h, c, s, seqlen, nheads, nchunks, K, HAS_SEQ)
-                keep = (t[:, None] >= s[None, :]) & valid_t[:, None] & valid_s[None, :] & \
-                    (run_t[:, None] == run_s[None, :])
-                dy_t = tl.load(dy_ptr + (tok_t[:, None] * nheads + h) * P + p[None, :],
-                               mask=valid_t[:, None] & (p[None, :] < P), other=0.0)
-                xT = tl.load(x_ptr + (tok_s[None, :] * nheads + h) * P + p[:, None],
-                             mask=valid_s[None, :] & (p[:, None] < P), other=0.0)
-                dyx = _mm(dy_t, xT, DOT_DTYPE, DOT_PRECISION)                  # [T, S]
-                decay = tl.exp(tl.where(keep, cs_t[:, None] - cs_s[None, :], float("-inf")))
-                dCB += dyx * decay * dt_s[None, :]
-            valid_t = (t < K) & (c * K + t < seqlen)
-            valid_s = (s < K) & (c * K + s < seqlen)
-            n_mask = n[None, :] < N
-            B_s = tl.load(B_ptr + (tok_s[:, None] * ngroups + g) * N + n[None, :],
-                          mask=valid_s[:, None] & n_mask, other=0.0)
-            C_t = tl.load(C_ptr + (tok_t[:, None] * ngroups + g) * N + n[None, :],
-                          mask=valid_t[:, None] & n_mask, other=0.0)
-            dC_t = _mm(dCB, B_s, DOT_DTYPE, DOT_PRECISION)
-            dB_s = _mm(tl.trans(dCB), C_t, DOT_DTYPE, DOT_PRECISION)
-            tl.atomic_add(dC_ptr + (tok_t[:, None] * ngroups + g) * N + n[None, :], dC_t,
-                          mask=valid_t[:, None] & n_mask, sem="relaxed")
-            tl.atomic_add(dB_ptr + (tok_s[:, None] * ngroups + g) * N + n[None, :], dB_s,
-                          mask=valid_s[:, None] & n_mask, sem="relaxed")
-    else:
-        t = (tile - nblk * nblk) * BLOCK + tl.arange(0, BLOCK)
-        tok = (b * seqlen + c * K + t).to(tl.int64)
-        dC_t = tl.zeros([BLOCK, BLOCK_N], dtype=tl.float32)
-        dB_t = tl.zeros([BLOCK, BLOCK_N], dtype=tl.float32)
+    t = tb * BLOCK + tl.arange(0, BLOCK)
+    s = sb * BLOCK + tl.arange(0, BLOCK)
+    tok_t = (b * seqlen + c * K + t).to(tl.int64)
+    tok_s = (b * seqlen + c * K + s).to(tl.int64)
+    cb_base = ((b * nchunks + c) * ngroups + g) * K * K
+    CB = tl.load(CB_ptr + cb_base + t[:, None] * K + s[None, :], mask=(t[:, None] < K) & (s[None, :] < K),
+                 other=0.0)
+    dCB = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
+    valid_t, dt_t, cs_t, cs_end, run_t, run_end = _token_info(
+        dt_out_ptr, dA_cs_ptr, runs_ptr, b, h_begin, c, t, seqlen, nheads, nchunks, K, HAS_SEQ)
+    valid_s, dt_s, cs_s, cs_end, run_s, run_end = _token_info(
+        dt_out_ptr, dA_cs_ptr, runs_ptr, b, h_begin, c, s, seqlen, nheads, nchunks, K, HAS_SEQ)
+    keep = (t[:, None] >= s[None, :]) & valid_t[:, None] & valid_s[None, :] & (run_t[:, None] == run_s[None, :])
+    for h in range(h_begin, h_end):
+        # the next head's cs and dt go out now: their latency hides behind this head's product
+        row_next = ((b * nheads + tl.minimum(h + 1, h_end - 1)) * nchunks + c) * K
+        cs_t_next = tl.load(dA_cs_ptr + row_next + t, mask=t < K, other=0.0)
+        cs_s_next = tl.load(dA_cs_ptr + row_next + s, mask=s < K, other=0.0)
+        dt_s_next = tl.load(dt_out_ptr + row_next + s, mask=valid_s, other=0.0)
+        dy_t = tl.load(dy_ptr + (tok_t[:, None] * nheads + h) * P + p[None, :],
+                       mask=valid_t[:, None] & (p[None, :] < P), other=0.0)
+        xT = tl.load(x_ptr + (tok_s[None, :] * nheads + h) * P + p[:, None],
+                     mask=valid_s[None, :] & (p[:, None] < P), other=0.0)
+        dyx = _mm(dy_t, xT, DOT_DTYPE, DOT_PRECISION)                          # [T, S]
+        dcb = dyx * tl.exp(tl.where(keep, cs_t[:, None] - cs_s[None, :], float("-inf"))) * dt_s[None, :]
+        dCB += dcb
+        W = tl.where(keep, dcb * CB, 0.0)  # whatever CB holds past the sequence's end
+        row = ((b * nheads + h) * nchunks + c) * K
+        tl.atomic_add(ddA_ptr + row + t, tl.sum(W, axis=1), mask=t < K, sem="relaxed")
+        tl.atomic_add(ddA_ptr + row + s, -tl.sum(W, axis=0), mask=s < K, sem="relaxed")
+        cs_t, cs_s, dt_s = cs_t_next, cs_s_next, dt_s_next
+    n_mask = n[None, :] < N
+    B_s = tl.load(B_ptr + (tok_s[:, None] * ngroups + g) * N + n[None, :], mask=valid_s[:, None] & n_mask, other=0.0)
+    C_t = tl.load(C_ptr + (tok_t[:, None] * ngroups + g) * N + n[None, :], mask=valid_t[:, None] & n_mask, other=0.0)
+    dC_t = _mm(dCB, B_s, DOT_DTYPE, DOT_PRECISION)
+    dB_s = _mm(tl.trans(dCB), C_t, DOT_DTYPE, DOT_PRECISION)
+    tl.atomic_add(dC_ptr + (tok_t[:, None] * ngroups + g) * N + n[None, :], dC_t, mask=valid_t[:, None] & n_mask,
+                  sem="relaxed")
+    tl.atomic_add(dB_ptr + (tok_s[:, None] * ngroups + g) * N + n[None, :], dB_s, mask=valid_s[:, None] & n_mask,
+                  sem="relaxed")
+
+
+@triton.jit
+def _chunk_state_dbdc_kernel(x_ptr, dy_ptr, C_ptr, dt_out_ptr, dA_cs_ptr, runs_ptr, states_ptr, dSn_ptr, ddA_ptr,
+                             dB_ptr, dC_ptr, seqlen, nheads, ngroups, nchunks, K, P, N, heads_per_group,
+                             heads_per_split, n_splits,
+                             HAS_SEQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             SLICE_P: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program (batch * chunk, (token block, dstate block, which), group * split); over this split's
+    heads (a GEMM whose reduction runs over heads x headdim):
+    which 0: dC_t += sum_h w_t dy_t S_c with w_t = exp(cs_t) for the run entering the chunk, and per
+             head the inter d cs_t += w_t <C_t, dy_t S_c>;
+    which 1: dB_s += sum_h e_s dt_s x_s dS_c+1 (s in the run ending the chunk)."""
+    n_nb = tl.cdiv(N, BLOCK_N)
+    b = (tl.program_id(0) // nchunks).to(tl.int64)
+    c = tl.program_id(0) % nchunks
+    which = tl.program_id(1) % 2
+    nb = (tl.program_id(1) // 2) % n_nb
+    mb = tl.program_id(1) // (2 * n_nb)
+    g = tl.program_id(2) // n_splits
+    split = tl.program_id(2) % n_splits
+    h_begin = g * heads_per_group + split * heads_per_split
+    h_end = tl.minimum(h_begin + heads_per_split, (g + 1) * heads_per_group)
+    DOT_DTYPE = x_ptr.dtype.element_ty
+    t = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    tok = (b * seqlen + c * K + t).to(tl.int64)
+    valid = (t < K) & (c * K + t < seqlen)
+    tn_mask = valid[:, None] & (n[None, :] < N)
+    out = (tok[:, None] * ngroups + g) * N + n[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    _, dt, cs, cs_end, run, run_end = _token_info(
+        dt_out_ptr, dA_cs_ptr, runs_ptr, b, h_begin, c, t, seqlen, nheads, nchunks, K, HAS_SEQ)
+    if which == 0:
+        C_t = tl.load(C_ptr + out, mask=tn_mask, other=0.0).to(tl.float32)
         for h in range(h_begin, h_end):
-            valid, dt, cs, cs_end, run, run_end = _token_info(
-                dt_out_ptr, dA_cs_ptr, runs_ptr, b, h, c, t, seqlen, nheads, nchunks, K, HAS_SEQ)
+            # the next head's cs goes out now: its latency hides behind this head's product
+            row_next = ((b * nheads + tl.minimum(h + 1, h_end - 1)) * nchunks + c) * K
+            cs_next = tl.load(dA_cs_ptr + row_next + t, mask=t < K, other=0.0)
             w_in = tl.where(valid & (run == 0), tl.exp(cs), 0.0)
+            state = ((b * nchunks + c) * nheads + h) * P * N
+            dyS = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for p0 in range(0, P, SLICE_P):
+                q = p0 + tl.arange(0, SLICE_P)
+                dy_t = tl.load(dy_ptr + (tok[:, None] * nheads + h) * P + q[None, :],
+                               mask=valid[:, None] & (q[None, :] < P), other=0.0)
+                S = tl.load(states_ptr + state + q[:, None] * N + n[None, :], mask=(q[:, None] < P) & (n[None, :] < N),
+                            other=0.0)
+                dyS += _mm(dy_t, S, DOT_DTYPE, DOT_PRECISION)
+            row = ((b * nheads + h) * nchunks + c) * K
+            tl.atomic_add(ddA_ptr + row + t, w_in * tl.sum(dyS * C_t, axis=1), mask=t < K, sem="relaxed")
+            acc += dyS * w_in[:, None]
+            cs = cs_next
+        tl.atomic_add(dC_ptr + out, acc, mask=tn_mask, sem="relaxed")
+    else:
+        for h in range(h_begin, h_end):
+            # the next head's cs and dt go out now: their latency hides behind this head's product
+            row_next = ((b * nheads + tl.minimum(h + 1, h_end - 1)) * nchunks + c) * K
+            cs_next = tl.load(dA_cs_ptr + row_next + t, mask=t < K, other=0.0)
+            dt_next = tl.load(dt_out_ptr + row_next + t, mask=valid, other=0.0)
+            cs_end_next = tl.load(dA_cs_ptr + row_next + K - 1)
             w_end = tl.where(valid & (run == run_end), tl.exp(cs_end - cs), 0.0) * dt
             state = ((b * nchunks + c) * nheads + h) * P * N
-            for p0 in range(0, P, SLICE_P):  # headdim in slices: whole [P, N] fp32 state tiles spill
+            for p0 in range(0, P, SLICE_P):
                 q = p0 + tl.arange(0, SLICE_P)
-                tq_mask = valid[:, None] & (q[None, :] < P)
-                xt_offs = (tok[:, None] * nheads + h) * P + q[None, :]
-                dy_t = tl.load(dy_ptr + xt_offs, mask=tq_mask, other=0.0).to(tl.float32)
-                x_t = tl.load(x_ptr + xt_offs, mask=tq_mask, other=0.0).to(tl.float32)
-                qn_mask = (q[:, None] < P) & (n[None, :] < N)
-                S = tl.load(states_ptr + state + q[:, None] * N + n[None, :], mask=qn_mask, other=0.0)
-                dSn = tl.load(dSn_ptr + state + q[:, None] * N + n[None, :], mask=qn_mask, other=0.0)
-                dC_t += _mm(dy_t * w_in[:, None], S, DOT_DTYPE, DOT_PRECISION)
-                dB_t += _mm(x_t * w_end[:, None], dSn, DOT_DTYPE, DOT_PRECISION)
-        valid_t = (t < K) & (c * K + t < seqlen)
-        out = (tok[:, None] * ngroups + g) * N + n[None, :]
-        tn_mask = valid_t[:, None] & (n[None, :] < N)
-        tl.atomic_add(dC_ptr + out, dC_t, mask=tn_mask, sem="relaxed")
-        tl.atomic_add(dB_ptr + out, dB_t, mask=tn_mask, sem="relaxed")
+                x_t = tl.load(x_ptr + (tok[:, None] * nheads + h) * P + q[None, :],
+                              mask=valid[:, None] & (q[None, :] < P), other=0.0).to(tl.float32)
+                dSn = tl.load(dSn_ptr + state + q[:, None] * N + n[None, :], mask=(q[:, None] < P) & (n[None, :] < N),
+                              other=0.0)
+                acc += _mm(x_t * w_end[:, None], dSn, DOT_DTYPE, DOT_PRECISION)
+            cs, dt, cs_end = cs_next, dt_next, cs_end_next
+        tl.atomic_add(dB_ptr + out, acc, mask=tn_mask, sem="relaxed")
 
 
 @triton.jit
@@ -457,31 +588,56 @@ def _check(name, t, expected, dtypes=None, optional=False):
         raise TypeError(f"{name}: expected dtype in {dtypes}, got {T.dtype_name(t)}")
 
 
-# Launch configurations, None for the defaults below (the device sweep sets them): "dx" (BLOCK_S, num_warps,
-# num_stages); "dbdc" (BLOCK, heads per split, num_warps, num_stages); "dstates" (BLOCK_P, BLOCK_N, BLOCK_T,
-# num_warps, num_stages); "passing" (BLOCK, num_warps).
-TUNING = {"dx": None, "dbdc": None, "dstates": None, "passing": None}
+# Launch configurations, None for the defaults below (the device sweep sets them):
+#   "dx" (BLOCK_S, BLOCK_T, BLOCK_N, BLOCK_P, num_warps, num_stages, heads first, token-block loop); "dcb" (BLOCK,
+#   heads per split, num_warps, num_stages); "state_dbdc" (BLOCK_M, BLOCK_N, SLICE_P, heads per split, num_warps,
+#   num_stages); "fused_passing" (BLOCK_P, BLOCK_N, BLOCK_T, num_warps, num_stages) for stages 3-4 in one kernel,
+#   False for two (default: fused when that gives enough programs); "dstates" (BLOCK_P, BLOCK_N, BLOCK_T,
+#   num_warps, num_stages) and "passing" (BLOCK, num_warps) for the two; "states_lp": False keeps the chunk-state
+#   dC product on the fp32 states (default: the passing stage copies them to x's dtype, half the bytes).
+TUNING = {"dx": None, "dcb": None, "state_dbdc": None, "dstates": None, "passing": None, "fused_passing": None,
+          "states_lp": None}
 
 
-def _dx_config(K):
+def _dx_config(K, N, P, dtype):
     if TUNING["dx"] is not None:
         return TUNING["dx"]
-    return min(_pow2(K), 64), 4, 1
+    if dtype == "float32":  # tf32x3 products take three times the registers: half of headdim 128 per program
+        return min(_pow2(K), 64), min(_pow2(K), 64), min(_pow2(N), 64), min(_pow2(P), 64), 8, 2, True, False
+    # measured on the H200 at headdim 128, dstate 128, chunk 256 (bf16): 128-token blocks despite a small
+    # spill (fewer re-reads of dS_c+1, B and dy), 4 warps spill more; heads first shares CB/B in L2
+    return min(_pow2(K), 128), min(_pow2(K), 64), min(_pow2(N), 64), min(_pow2(P), 128), 8, 2, True, False
 
 
-def _dbdc_config(K, P, heads_per_group, batch_chunks):
-    if TUNING["dbdc"] is not None:
-        return TUNING["dbdc"]
+def _dcb_config(K, P, heads_per_group, batch_chunks):
+    if TUNING["dcb"] is not None:
+        return TUNING["dcb"]
     # all heads of a group in one program (fewest atomics) unless that leaves too few programs; the head
     # loop pipelined 3 deep (2 past headdim 128, for shared memory)
     per_split = heads_per_group if batch_chunks >= 32 else min(heads_per_group, 8)
     return min(_pow2(K), 64), per_split, 8, 3 if _pow2(P) <= 128 else 2
 
 
+def _state_dbdc_config(K, P, N, heads_per_group):
+    if TUNING["state_dbdc"] is not None:
+        return TUNING["state_dbdc"]
+    return min(_pow2(K), 64), min(_pow2(N), 128), min(_pow2(P), 64), min(heads_per_group, 32), 8, 3
+
+
 def _dstates_config(K, P, N):
     if TUNING["dstates"] is not None:
         return TUNING["dstates"]
-    return min(_pow2(P), 64), min(_pow2(N), 64), min(_pow2(K), 64), 4, 2
+    return min(_pow2(P), 128), min(_pow2(N), 128), min(_pow2(K), 64), 8, 2
+
+
+def _fused_passing_config(batch, nheads, K, P, N):
+    """Stages 3-4 fused when that leaves enough programs (each walks all chunks in turn), else None."""
+    if TUNING["fused_passing"] is not None:
+        return TUNING["fused_passing"] or None
+    bp, bn = min(_pow2(P), 64), min(_pow2(N), 128)
+    if batch * nheads * triton.cdiv(P, bp) * triton.cdiv(N, bn) < 256:
+        return None
+    return bp, bn, min(_pow2(K), 32), 4, 3
 
 
 def ssd_chunked_bwd(dout, x, dt, A, B, C, dt_out, dA_cumsum, states, CB, dx, ddt, dA, dB, dC, *, chunk_size,
@@ -544,7 +700,6 @@ def ssd_chunked_bwd(dout, x, dt, A, B, C, dt_out, dA_cumsum, states, CB, dx, ddt
     if batch == 0 or seqlen == 0 or nheads == 0 or headdim == 0 or dstate == 0:
         return
 
-    G = workspace["dstates"]
     ddA = workspace["ddA_cumsum"]
     ddt_direct = workspace["ddt_direct"]
     runs = workspace["runs"]
@@ -562,36 +717,69 @@ def ssd_chunked_bwd(dout, x, dt, A, B, C, dt_out, dA_cumsum, states, CB, dx, ddt
         _gate_bwd_kernel[(triton.cdiv(rows, block_r),)](dout, z, out_x, dz, dy, rows, P,
                                                         BLOCK_R=block_r, BLOCK_P=BP, num_warps=4)
 
-    _prep_kernel[(nchunks, batch)](seq_idx, runs, ddA, seqlen, nheads, nchunks, K,
-                                   HAS_SEQ=has_seq, BLOCK_K=BK, num_warps=4)
+    dx_config = _dx_config(K, N, P, T.dtype_name(x))
+    split_p = dx_config[3] < P  # headdim in several dx programs: they add up the direct part of d dt
+    _prep_kernel[(nchunks, batch)](seq_idx, runs, ddA, ddt_direct, seqlen, nheads, nchunks, K,
+                                   HAS_SEQ=has_seq, ZERO_DIRECT=split_p, BLOCK_K=BK, num_warps=4)
 
-    bp, bn, bt, warps, stages = _dstates_config(K, P, N)
-    _dstates_kernel[(batch * nchunks, triton.cdiv(P, bp) * triton.cdiv(N, bn), nheads)](
-        dy, C, dt_out, dA_cumsum, runs, G, seqlen, nheads, ngroups, nchunks, K, P, N, heads_per_group,
-        HAS_SEQ=has_seq, BLOCK_P=bp, BLOCK_N=bn, BLOCK_T=bt, DOT_PRECISION=precision,
-        num_warps=warps, num_stages=stages)
+    dSn = workspace["dstates_next"]
+    # states in x's dtype for the chunk-state dC product (written by the passing stage), unless fp32
+    s_lp = TUNING["states_lp"] is not False and "states_lp" in workspace
+    S_lp = workspace["states_lp"] if s_lp else None
+    fused_config = _fused_passing_config(batch, nheads, K, P, N)
+    if fused_config is not None:
+        bp, bn, bt, warps, stages = fused_config
+        _dstates_passing_kernel[(triton.cdiv(P, bp) * triton.cdiv(N, bn), batch, nheads)](
+            dy, C, dt_out, dA_cumsum, runs, states, dfinal_states, dinitial_states, ddA, dSn, S_lp,
+            seqlen, nheads, ngroups, nchunks, K, P, N, heads_per_group,
+            HAS_SEQ=has_seq, HAS_DFINAL=dfinal_states is not None, HAS_DINIT=dinitial_states is not None,
+            WRITE_S_LP=s_lp,
+            BLOCK_P=bp, BLOCK_N=bn, BLOCK_T=bt, DOT_PRECISION=precision, num_warps=warps, num_stages=stages)
+    else:
+        bp, bn, bt, warps, stages = _dstates_config(K, P, N)
+        _dstates_kernel[(batch * nchunks, triton.cdiv(P, bp) * triton.cdiv(N, bn), nheads)](
+            dy, C, dt_out, dA_cumsum, runs, workspace["dstates"], seqlen, nheads, ngroups, nchunks, K, P, N,
+            heads_per_group,
+            HAS_SEQ=has_seq, BLOCK_P=bp, BLOCK_N=bn, BLOCK_T=bt, DOT_PRECISION=precision,
+            num_warps=warps, num_stages=stages)
+        block, warps = TUNING["passing"] or (1024, 4)
+        _state_passing_bwd_kernel[(triton.cdiv(P * N, block), batch, nheads)](
+            workspace["dstates"], states, dA_cumsum, runs, dfinal_states, dinitial_states, ddA, dSn, S_lp, nheads,
+            nchunks, K, P * N,
+            HAS_SEQ=has_seq, HAS_DFINAL=dfinal_states is not None, HAS_DINIT=dinitial_states is not None,
+            WRITE_S_LP=s_lp,
+            BLOCK=block, num_warps=warps)
 
-    block, warps = TUNING["passing"] or (512, 4)
-    _state_passing_bwd_kernel[(triton.cdiv(P * N, block), batch, nheads)](
-        G, states, dA_cumsum, runs, dfinal_states, dinitial_states, ddA, nheads, nchunks, K, P * N,
-        HAS_SEQ=has_seq, HAS_DFINAL=dfinal_states is not None, HAS_DINIT=dinitial_states is not None,
-        BLOCK=block, num_warps=warps)
-
-    bs_, warps, stages = _dx_config(K)
-    _chunk_dx_kernel[(batch * nchunks, triton.cdiv(K, bs_), nheads)](
-        x, dy, B, C, CB, dt_out, dA_cumsum, runs, states, G, D, dx, ddt_direct, ddA, dD,
+    bs_, bt, bn, bp, warps, stages, heads_first, s_loop = dx_config
+    s_loop = s_loop and bn >= N
+    heads_first = heads_first and batch * nchunks < 65536  # grid axes 1 and 2 stop at 65535
+    tiles = (1 if s_loop else triton.cdiv(K, bs_)) * triton.cdiv(P, bp)
+    _chunk_dx_kernel[(nheads, tiles, batch * nchunks) if heads_first else (batch * nchunks, tiles, nheads)](
+        x, dy, B, CB, dt_out, dA_cumsum, runs, dSn, D, dx, ddt_direct, ddA, dD,
         seqlen, nheads, ngroups, nchunks, K, P, N, heads_per_group,
         HAS_SEQ=has_seq, HAS_D=D is not None, D_PER_CHANNEL=D is not None and len(T.shape(D)) == 2,
-        BLOCK_S=bs_, BLOCK_P=BP, BLOCK_N=min(BN, 32), DOT_PRECISION=precision, num_warps=warps, num_stages=stages)
+        BLOCK_S=bs_, BLOCK_T=bt, BLOCK_P=bp, BLOCK_N=bn, SPLIT_P=split_p, HEADS_FIRST=heads_first, S_LOOP=s_loop,
+        DOT_PRECISION=precision,
+        num_warps=warps, num_stages=stages)
 
-    blk, per_split, warps, stages = _dbdc_config(K, P, heads_per_group, batch * nchunks)
+    blk, per_split, warps, stages = _dcb_config(K, P, heads_per_group, batch * nchunks)
     per_split = min(per_split, heads_per_group)
     n_splits = -(-heads_per_group // per_split)
     nblk = triton.cdiv(K, blk)
-    _chunk_dbdc_kernel[(batch * nchunks, nblk * nblk + nblk, ngroups * n_splits)](
-        x, dy, B, C, dt_out, dA_cumsum, runs, states, G, dB, dC, seqlen, nheads, ngroups, nchunks, K, P, N,
+    _chunk_dcb_kernel[(batch * nchunks, nblk * nblk, ngroups * n_splits)](
+        x, dy, B, C, CB, dt_out, dA_cumsum, runs, ddA, dB, dC, seqlen, nheads, ngroups, nchunks, K, P, N,
         heads_per_group, per_split, n_splits,
-        HAS_SEQ=has_seq, BLOCK=blk, BLOCK_P=BP, BLOCK_N=BN, SLICE_P=min(BP, 32), DOT_PRECISION=precision,
+        HAS_SEQ=has_seq, BLOCK=blk, BLOCK_P=BP, BLOCK_N=BN, DOT_PRECISION=precision,
+        num_warps=warps, num_stages=stages)
+
+    bm, bn, slice_p, per_split, warps, stages = _state_dbdc_config(K, P, N, heads_per_group)
+    per_split = min(per_split, heads_per_group)
+    n_splits = -(-heads_per_group // per_split)
+    _chunk_state_dbdc_kernel[(batch * nchunks, triton.cdiv(K, bm) * triton.cdiv(N, bn) * 2, ngroups * n_splits)](
+        x, dy, C, dt_out, dA_cumsum, runs, S_lp if s_lp else states, dSn, ddA, dB, dC,
+        seqlen, nheads, ngroups, nchunks, K, P, N,
+        heads_per_group, per_split, n_splits,
+        HAS_SEQ=has_seq, BLOCK_M=bm, BLOCK_N=bn, SLICE_P=slice_p, DOT_PRECISION=precision,
         num_warps=warps, num_stages=stages)
 
     _dt_bwd_kernel[(nchunks, batch, nheads)](
@@ -600,12 +788,32 @@ def ssd_chunked_bwd(dout, x, dt, A, B, C, dt_out, dA_cumsum, states, CB, dx, ddt
         BLOCK_K=BK, num_warps=4)
 
 
+@contextlib.contextmanager
+def _tuned(tuning):
+    """Some ``TUNING`` entries set inside the block."""
+    saved = dict(TUNING)
+    TUNING.update(tuning)
+    try:
+        yield
+    finally:
+        TUNING.update(saved)
+
+
+def _launch_with(tuning, *args, **kwargs):
+    with _tuned(tuning):
+        ssd_chunked_bwd(*args, **kwargs)
+
+
 def compile_cases():
     """Compile-only cases: every dtype on the benchmark shape (chunk 256, headdim 128, dstate 128) with
-    all options, and an odd small shape (chunk 16, headdim 24, dstate 40, 2 groups) without options."""
-    cases = (("bench", 2, 512, 8, 128, 1, 128, 256, True), ("odd", 1, 37, 4, 24, 2, 40, 16, False))
+    all options, the same through the launch paths the defaults do not take there, and an odd small
+    shape (chunk 16, headdim 24, dstate 40, 2 groups) without options."""
+    other_paths = dict(fused_passing=False, states_lp=False, dx=(64, 32, 128, 64, 4, 3, False, True))
+    cases = (("bench", 2, 512, 64, 128, 1, 128, 256, True, {}), ("bench_other_paths", 2, 512, 64, 128, 1, 128, 256,
+                                                                  True, other_paths),
+             ("odd", 1, 37, 4, 24, 2, 40, 16, False, {}))
     for dtype in T.FLOAT_DTYPES:
-        for label, batch, seqlen, nheads, P, ngroups, N, K, full in cases:
+        for label, batch, seqlen, nheads, P, ngroups, N, K, full, tuning in cases:
             nchunks = -(-seqlen // K)
 
             def spec(shape, dt=dtype):
@@ -618,8 +826,9 @@ def compile_cases():
                     spec((batch, nheads, nchunks, K), f32), spec((batch, nheads, nchunks, K), f32),
                     spec((batch, nchunks, nheads, P, N), f32), spec((batch, nchunks, ngroups, K, K), f32),
                     spec(xs), spec(xs[:3]), spec((nheads,), f32), spec(bs, f32), spec(bs, f32)]
-            ws = {name: spec(shape, dt) for name, (shape, dt) in
-                  workspace_shapes(batch, seqlen, nheads, P, N, K, full, dtype).items()}
+            with _tuned(tuning):
+                ws = {name: spec(shape, dt) for name, (shape, dt) in
+                      workspace_shapes(batch, seqlen, nheads, P, N, K, full, dtype).items()}
             opts = {}
             if full:
                 opts = dict(D=spec((nheads, P), f32), dD=spec((nheads, P), f32), z=spec(xs), dz=spec(xs),
@@ -628,4 +837,5 @@ def compile_cases():
                             dfinal_states=spec(hs, f32), seq_idx=spec((batch, seqlen), "int32"),
                             dt_softplus=True, dt_limit=(0.001, 0.1))
             yield f"ssd_chunked_bwd[{dtype},{label}]", \
-                lambda args=args, opts=opts, ws=ws, K=K: ssd_chunked_bwd(*args, chunk_size=K, workspace=ws, **opts)
+                lambda args=args, opts=opts, ws=ws, K=K, tuning=tuning: _launch_with(tuning, *args, chunk_size=K,
+                                                                                    workspace=ws, **opts)
