@@ -46,3 +46,14 @@ def assert_close(name: str, out, ref, dtype: str, baseline_err: float | None = N
     if not err <= bound:  # also false for NaN
         raise AssertionError(f"{name} ({dtype}): relative error {err:.3e} exceeds bound {bound:.3e}")
     return err
+
+
+def silu(x):
+    """numpy silu, for float64 references."""
+    return x / (1 + np.exp(-x))
+
+
+def dsilu(x):
+    """numpy derivative of silu."""
+    s = 1 / (1 + np.exp(-x))
+    return s * (1 + x * (1 - s))

@@ -8,18 +8,9 @@ import pytest
 
 from paddlenlp_fused.kernels.triton import causal_conv1d as conv_kernels
 from paddlenlp_fused.runtime import tensor as T
-from paddlenlp_fused.testing.numerics import assert_close
+from paddlenlp_fused.testing.numerics import assert_close, dsilu as silu_grad, silu as silu_fn
 
 DTYPES = ("float32", "float16", "bfloat16")
-
-
-def _silu(x):
-    return x / (1 + np.exp(-x))
-
-
-def _dsilu(x):
-    s = 1 / (1 + np.exp(-x))
-    return s * (1 + x * (1 - s))
 
 
 def conv_reference(x, weight, bias=None, seq_idx=None, init=None, silu=True, dout=None):
@@ -35,10 +26,10 @@ def conv_reference(x, weight, bias=None, seq_idx=None, init=None, silu=True, dou
     pre = np.zeros((batch, dim, seqlen)) + (bias[:, None] if bias is not None else 0)
     for k in range(width):
         pre += weight[:, k, None] * xp[:, :, k:k + seqlen] * same[k]
-    out = _silu(pre) if silu else pre
+    out = silu_fn(pre) if silu else pre
     if dout is None:
         return out
-    dpre = dout * _dsilu(pre) if silu else dout
+    dpre = dout * silu_grad(pre) if silu else dout
     dxp = np.zeros_like(xp)
     dw = np.zeros_like(weight)
     for k in range(width):

@@ -7,18 +7,9 @@ import pytest
 
 from paddlenlp_fused.kernels.cuda import selective_scan as cuda_scan
 from paddlenlp_fused.kernels.triton import selective_scan as scan_kernels
-from paddlenlp_fused.testing.numerics import assert_close
+from paddlenlp_fused.testing.numerics import assert_close, dsilu, silu
 
 DTYPES = ("float32", "float16", "bfloat16")
-
-
-def _silu(x):
-    return x / (1 + np.exp(-x))
-
-
-def _dsilu(x):
-    s = 1 / (1 + np.exp(-x))
-    return s * (1 + x * (1 - s))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -57,11 +48,11 @@ def scan_reference(u, delta, A, B, C, D=None, z=None, delta_bias=None, softplus=
         y[:, :, t] = (h * C_at(t)).sum(-1)
     if D is not None:
         y = y + D[:, None] * u
-    out = y * _silu(z) if z is not None else y
+    out = y * silu(z) if z is not None else y
     if dout is None:
         return out, h
-    dy = dout * _silu(z) if z is not None else dout
-    dz = dout * y * _dsilu(z) if z is not None else None
+    dy = dout * silu(z) if z is not None else dout
+    dz = dout * y * dsilu(z) if z is not None else None
     du = dy * D[:, None] if D is not None else np.zeros_like(u)
     ddt = np.zeros_like(u)
     dA = np.zeros_like(A)

@@ -13,18 +13,9 @@ import numpy as np
 import pytest
 
 from paddlenlp_fused.kernels.cuda import selective_scan as cuda_scan
-from paddlenlp_fused.testing.numerics import assert_close, bound_for, rel_err
+from paddlenlp_fused.testing.numerics import assert_close, bound_for, dsilu, rel_err, silu
 
 DTYPES = ("float32", "float16", "bfloat16")
-
-
-def _silu(x):
-    return x / (1 + np.exp(-x))
-
-
-def _dsilu(x):
-    s = 1 / (1 + np.exp(-x))
-    return s * (1 + x * (1 - s))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -79,11 +70,11 @@ def complex_scan_reference(u, delta, A, B, C, D=None, z=None, delta_bias=None, s
         y[:, :, t] = 2 * (h * C_at(t)).sum(-1).real
     if D is not None:
         y = y + D[:, None] * u
-    out = y * _silu(z) if z is not None else y
+    out = y * silu(z) if z is not None else y
     if dout is None:
         return out, h
-    dy = dout * _silu(z) if z is not None else dout
-    dz = dout * y * _dsilu(z) if z is not None else None
+    dy = dout * silu(z) if z is not None else dout
+    dz = dout * y * dsilu(z) if z is not None else None
     du = dy * D[:, None] if D is not None else np.zeros_like(u)
     ddt = np.zeros_like(u)
     dA = np.zeros_like(A)

@@ -6,13 +6,9 @@ import numpy as np
 import pytest
 
 from paddlenlp_fused.kernels.triton.state_update import selective_state_update
-from paddlenlp_fused.testing.numerics import assert_close
+from paddlenlp_fused.testing.numerics import assert_close, silu
 
 DTYPES = ("float32", "float16", "bfloat16")
-
-
-def _silu(x):
-    return x / (1 + np.exp(-x))
 
 
 def _step64(state, x, dt, A, B, C, D, z, dt_bias, softplus, dt_limit=(0.0, np.inf)):
@@ -27,7 +23,7 @@ def _step64(state, x, dt, A, B, C, D, z, dt_bias, softplus, dt_limit=(0.0, np.in
     if D is not None:
         y = y + D * x
     if z is not None:
-        y = y * _silu(z)
+        y = y * silu(z)
     return new, y
 
 
