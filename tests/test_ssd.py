@@ -298,7 +298,7 @@ def test_triton_varlen_states_equal_per_sequence_loop():
 CONTRACT_VARIANTS = {  # SSDConfig options; every variant runs two token tiles per chunk in the chunk scan
     "default": {},  # stages 3 and 4 apart (small problem), chunk scan walking its token tiles, loading CB
     "fused_state_passing": dict(fuse_state_passing=True),  # two token blocks per step of the fused kernel
-    "recompute_cb": dict(recompute_cb=True, scan_m_loop=False, scan_heads_first=False, split_scores=True),
+    "recompute_cb": dict(recompute_cb=True, scan_m_loop=False, scan_heads_first=False, split_scores=False),
     "load_cb_per_tile": dict(scan_m_loop=False),
 }
 

@@ -164,7 +164,7 @@ def _measure(provider, batch, seqlen, with_torch=True, sweep=False):
         variants += [base._replace(fused_block_p=bp, fused_block_n=bn, fused_block_k=bk, fused_warps=w, fused_stages=s)
                      for bp, bn, bk, w, s in ((128, 128, 64, 8, 2), (64, 128, 64, 4, 3), (64, 64, 256, 4, 2))]
         variants += [base._replace(scan_block_k=32, scan_stages=3), base._replace(recompute_cb=True),
-                     base._replace(scan_m_loop=False, recompute_cb=True), base._replace(split_scores=True),
+                     base._replace(scan_m_loop=False, recompute_cb=True), base._replace(split_scores=False),
                      base._replace(scan_heads_first=False)]
         for cfg in [base] + variants:
             try:

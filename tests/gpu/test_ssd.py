@@ -151,7 +151,7 @@ CASES = {  # (batch, seqlen, nheads, headdim, ngroups, dstate, chunk), options
 VARIANTS = {  # SSDConfig options on top of the defaults
     "": {},
     "fused": dict(fuse_state_passing=True),
-    "recompute_cb": dict(recompute_cb=True, scan_m_loop=False, scan_heads_first=False, split_scores=True),
+    "recompute_cb": dict(recompute_cb=True, scan_m_loop=False, scan_heads_first=False, split_scores=False),
     "recompute_m_loop": dict(recompute_cb=True),
     "load_cb_per_tile": dict(scan_m_loop=False),
 }
