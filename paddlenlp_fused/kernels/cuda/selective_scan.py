@@ -19,7 +19,7 @@ import ctypes
 from typing import NamedTuple
 
 from ...runtime import tensor as T
-from ..triton.selective_scan import bc_layout
+from ..triton.selective_scan import bc_layout, check_optional_grads
 from . import library
 
 _c_ptr, _c_i64, _c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -120,6 +120,13 @@ def _check_f32(name, t, shape=None, complex_A=False):
         raise TypeError(f"{name}: expected {want}, got {T.dtype_name(t)}")
 
 
+def _checked_plan(seqlen, plan):
+    """The one plan the CUDA kernels take for seqlen (``plan`` None: that plan)."""
+    if plan is not None and plan != scan_plan(seqlen):
+        raise ValueError(f"plan: expected {scan_plan(seqlen)} for seqlen {seqlen}, got {plan}")
+    return scan_plan(seqlen)
+
+
 def _seq(name, t, batch, dim, seqlen, dtype):
     if t is None:
         return (0, 0, 0)
@@ -155,9 +162,7 @@ def selective_scan_fwd(u, delta, A, B, C, out, D=None, z=None, delta_bias=None, 
     (one a warp) a block (0: the library's default)."""
     batch, dim, seqlen, dstate, groups, complex_A, B_lay, C_lay = _scan_args(u, delta, A, B, C, D, z, delta_bias)
     dtype = T.dtype_name(u)
-    plan = plan or scan_plan(seqlen)
-    if plan != scan_plan(seqlen):
-        raise ValueError(f"plan: expected {scan_plan(seqlen)} for seqlen {seqlen}, got {plan}")
+    plan = _checked_plan(seqlen, plan)
     if states is not None:
         _check_f32("states", states, states_shape(batch, dim, dstate, plan), complex_A)
         T.check_contiguous("states", states)
@@ -186,21 +191,10 @@ def selective_scan_bwd(u, delta, A, B, C, dout, states, workspace, du, ddelta, d
     complex64 (input-dependent dB/dC float32 (re, im) pairs like B/C)."""
     batch, dim, seqlen, dstate, groups, complex_A, B_lay, C_lay = _scan_args(u, delta, A, B, C, D, z, delta_bias)
     dtype = T.dtype_name(u)
-    plan = plan or scan_plan(seqlen)
-    if plan != scan_plan(seqlen):
-        raise ValueError(f"plan: expected {scan_plan(seqlen)} for seqlen {seqlen}, got {plan}")
+    plan = _checked_plan(seqlen, plan)
     if workspace is not None:
         raise ValueError("workspace: the CUDA backward takes none (workspace_shape is None)")
-    if (z is None) != (dz is None):
-        raise ValueError("dz: expected exactly when z is given")
-    if out_z is not None and z is None:
-        raise ValueError("out_z: the recomputed output is only written when z is given")
-    for name, t, given, what in (("dD", dD, D, "D"), ("ddelta_bias", ddelta_bias, delta_bias, "delta_bias")):
-        if (t is None) != (given is None):
-            raise ValueError(f"{name}: expected exactly when {what} is given")
-        if t is not None:
-            _check_f32(name, t, (dim,))
-            T.check_contiguous(name, t)
+    check_optional_grads(dim, z, dz, out_z, D, dD, delta_bias, ddelta_bias)
     _check_f32("dA", dA, (dim, dstate), complex_A)
     T.check_contiguous("dA", dA)
     _check_f32("states", states, states_shape(batch, dim, dstate, plan), complex_A)

@@ -542,6 +542,20 @@ def _check_f32_buffer(name, t, shape):
         raise TypeError(f"{name}: expected float32, got {T.dtype_name(t)}")
 
 
+def check_optional_grads(dim, z, dz, out_z, D, dD, delta_bias, ddelta_bias) -> None:
+    """The backward's optional outputs, both backends: dz exactly with z, out_z only with z, dD /
+    ddelta_bias exactly with D / delta_bias (float32 contiguous [dim])."""
+    if (z is None) != (dz is None):
+        raise ValueError("dz: expected exactly when z is given")
+    if out_z is not None and z is None:
+        raise ValueError("out_z: the recomputed output is only written when z is given")
+    for name, t, given, what in (("dD", dD, D, "D"), ("ddelta_bias", ddelta_bias, delta_bias, "delta_bias")):
+        if (t is None) != (given is None):
+            raise ValueError(f"{name}: expected exactly when {what} is given")
+        if t is not None:
+            _check_f32_buffer(name, t, (dim,))
+
+
 def _strides3(t):
     return T.strides(t) if t is not None else (0, 0, 0)
 
@@ -626,15 +640,7 @@ def selective_scan_bwd(u, delta, A, B, C, dout, states, workspace, du, ddelta, d
     batch, dim, seqlen, dstate, groups, B_lay, C_lay = _scan_args(u, delta, A, B, C, D, z, delta_bias)
     for name, t in (("dout", dout), ("du", du), ("ddelta", ddelta), ("dz", dz), ("out_z", out_z)):
         _check_seq(name, t, batch, dim, seqlen)
-    if (z is None) != (dz is None):
-        raise ValueError("dz: expected exactly when z is given")
-    if out_z is not None and z is None:
-        raise ValueError("out_z: the recomputed output is only written when z is given")
-    for name, t, given, what in (("dD", dD, D, "D"), ("ddelta_bias", ddelta_bias, delta_bias, "delta_bias")):
-        if (t is None) != (given is None):
-            raise ValueError(f"{name}: expected exactly when {what} is given")
-        if t is not None:
-            _check_f32_buffer(name, t, (dim,))
+    check_optional_grads(dim, z, dz, out_z, D, dD, delta_bias, ddelta_bias)
     _check_f32_buffer("dA", dA, (dim, dstate))
     dB_lay, dC_lay = bc_layout("dB", dB, batch, dim, dstate, seqlen), bc_layout("dC", dC, batch, dim, dstate, seqlen)
     for name, t, like in (("dB", dB, B), ("dC", dC, C)):
