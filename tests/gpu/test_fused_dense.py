@@ -209,7 +209,7 @@ def test_triton_every_tuned_config_with_long_reductions(provider, config):
     T, D, H, dtype = 16384, 512, 384, "bfloat16"
     x, dpre = provider.randn((T, D), dtype), provider.randn((T, H), dtype)
     dw = provider.poisoned((D, H), dtype)
-    flags = dict(HAS_BIAS=False, ACTIVATION=0, SAVE_PRE=False, ACT_GRAD=False, FP32_DOT=False, RTNE_BITS=False)
+    flags = dict(HAS_BIAS=False, ACTIVATION=0, SAVE_PRE=False, ACT_GRAD=False, FP32_DOT=False)
     grid = (triton.cdiv(D, meta["BLOCK_M"]) * triton.cdiv(H, meta["BLOCK_N"]),)
     tr._gemm_kernel[grid](x, dpre, dw, dw, dw, D, H, T, 1, D, H, 1, H, 0, **flags, **meta)
     M = 2048

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ...runtime import tensor as T
 from .gated_activation import _act_and_grad as _gated_act_and_grad
-from .interpreter_compat import INTERPRETING, dot_operand
+from .interpreter_compat import INTERPRETING, dot_operand, round_to
 
 ACTIVATIONS = {"none": 0, "gelu_approx": 1, "gelu": 2, "relu": 3, "sqrelu": 4}
 _INV_SQRT2 = tl.constexpr(0.7071067811865476)
@@ -60,21 +60,10 @@ def _act_and_grad(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _cast(x, dtype: tl.constexpr, RTNE_BITS: tl.constexpr):
-    """fp32 x to ``dtype``, rounding to nearest even. Triton 3.6's interpreter truncates fp32 ->
-    bf16 (a 2x larger, biased error); with RTNE_BITS (set there) the rounding is done on the bits."""
-    if RTNE_BITS and dtype == tl.bfloat16:
-        u = x.to(tl.uint32, bitcast=True)
-        u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
-        x = u.to(tl.float32, bitcast=True)
-    return x.to(dtype)
-
-
-@triton.jit
 def _gemm_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K,
                stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_pm,
                HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SAVE_PRE: tl.constexpr,
-               ACT_GRAD: tl.constexpr, FP32_DOT: tl.constexpr, RTNE_BITS: tl.constexpr,
+               ACT_GRAD: tl.constexpr, FP32_DOT: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # Grouped order: GROUP_M row blocks sweep the column blocks together, so a B panel stays in L2.
     pid = tl.program_id(0)
@@ -112,22 +101,22 @@ def _gemm_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K,
         _, grad = _act_and_grad(pre, ACTIVATION)
         acc = acc * grad
     elif ACTIVATION != 0:
-        pre = _cast(acc, c_ptr.dtype.element_ty, RTNE_BITS)
+        pre = round_to(acc, c_ptr.dtype.element_ty)
         if SAVE_PRE:
             tl.store(pre_ptr + rows * stride_pm + rn[None, :], pre, mask=mask)
         acc, _ = _act_and_grad(pre.to(tl.float32), ACTIVATION)
-    tl.store(c_ptr + rows * stride_cm + rn[None, :], _cast(acc, c_ptr.dtype.element_ty, RTNE_BITS), mask=mask)
+    tl.store(c_ptr + rows * stride_cm + rn[None, :], round_to(acc, c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K,
                  stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_pm,
                  HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SAVE_PRE: tl.constexpr,
-                 ACT_GRAD: tl.constexpr, FP32_DOT: tl.constexpr, RTNE_BITS: tl.constexpr,
+                 ACT_GRAD: tl.constexpr, FP32_DOT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     _gemm_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K, stride_am, stride_ak, stride_bk,
                stride_bn, stride_cm, stride_pm, HAS_BIAS, ACTIVATION, SAVE_PRE, ACT_GRAD,
-               FP32_DOT, RTNE_BITS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+               FP32_DOT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
 def _prune_by_shared_memory(configs, named_args, **kwargs):
@@ -214,14 +203,13 @@ def gemm(a, b, c, bias=None, activation: str = "none", pre=None, act_grad: bool 
                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_pm)
     flags = dict(HAS_BIAS=bias is not None, ACTIVATION=ACTIVATIONS[activation],
                  SAVE_PRE=pre is not None and not act_grad, ACT_GRAD=act_grad,
-                 FP32_DOT=dtype == "float32",  # IEEE fp32 dot for fp32 inputs (not tf32)
-                 RTNE_BITS=bool(INTERPRETING))
+                 FP32_DOT=dtype == "float32")  # IEEE fp32 dot for fp32 inputs (not tf32)
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     _gemm_tuned[grid](*kernel_args, **flags)
 
 
 @triton.jit
-def _column_sum_block(x_ptr, out_ptr, K, N, stride_k, stride_n, RTNE_BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+def _column_sum_block(x_ptr, out_ptr, K, N, stride_k, stride_n, BLOCK_K: tl.constexpr,
                       BLOCK_N: tl.constexpr):
     """out[N] = sum over k of x[k, N] in fp32; one program per BLOCK_N columns, rows in order."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -231,39 +219,39 @@ def _column_sum_block(x_ptr, out_ptr, K, N, stride_k, stride_n, RTNE_BITS: tl.co
     for k0 in range(0, K, BLOCK_K):
         acc += tl.load(ptrs, mask=((k0 + rk) < K)[:, None] & (cols < N)[None, :], other=0.0).to(tl.float32)
         ptrs += BLOCK_K * stride_k
-    tl.store(out_ptr + cols, _cast(tl.sum(acc, axis=0), out_ptr.dtype.element_ty, RTNE_BITS), mask=cols < N)
+    tl.store(out_ptr + cols, round_to(tl.sum(acc, axis=0), out_ptr.dtype.element_ty), mask=cols < N)
 
 
 @triton.jit
-def _column_sum_kernel(x_ptr, out_ptr, K, N, stride_k, stride_n, RTNE_BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+def _column_sum_kernel(x_ptr, out_ptr, K, N, stride_k, stride_n, BLOCK_K: tl.constexpr,
                        BLOCK_N: tl.constexpr):
-    _column_sum_block(x_ptr, out_ptr, K, N, stride_k, stride_n, RTNE_BITS, BLOCK_K, BLOCK_N)
+    _column_sum_block(x_ptr, out_ptr, K, N, stride_k, stride_n, BLOCK_K, BLOCK_N)
 
 
 def _column_sum(x, out, K, N, stride_k, stride_n):
     """out[N] = column sums of the [K, N] matrix x (any strides)."""
-    _column_sum_kernel[(triton.cdiv(N, 128),)](x, out, K, N, stride_k, stride_n, RTNE_BITS=bool(INTERPRETING),
-                                               BLOCK_K=32, BLOCK_N=128, num_warps=8)
+    _column_sum_kernel[(triton.cdiv(N, 128),)](x, out, K, N, stride_k, stride_n, BLOCK_K=32, BLOCK_N=128,
+                                               num_warps=8)
 
 
 @triton.jit
-def _act_fwd_kernel(pre_ptr, out_ptr, n, ACTIVATION: tl.constexpr, RTNE_BITS: tl.constexpr, BLOCK: tl.constexpr):
+def _act_fwd_kernel(pre_ptr, out_ptr, n, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(pre_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     act, _ = _act_and_grad(x, ACTIVATION)
-    tl.store(out_ptr + offs, _cast(act, out_ptr.dtype.element_ty, RTNE_BITS), mask=mask)
+    tl.store(out_ptr + offs, round_to(act, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _act_bwd_kernel(pre_ptr, dout_ptr, dpre_ptr, n, ACTIVATION: tl.constexpr, RTNE_BITS: tl.constexpr,
+def _act_bwd_kernel(pre_ptr, dout_ptr, dpre_ptr, n, ACTIVATION: tl.constexpr,
                     BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(pre_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     dout = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     _, grad = _act_and_grad(x, ACTIVATION)
-    tl.store(dpre_ptr + offs, _cast(dout * grad, dpre_ptr.dtype.element_ty, RTNE_BITS), mask=mask)
+    tl.store(dpre_ptr + offs, round_to(dout * grad, dpre_ptr.dtype.element_ty), mask=mask)
 
 
 def _elementwise(activation, tensors):
@@ -283,7 +271,7 @@ def act_fwd(pre, out, activation: str) -> None:
     """out = act(pre), elementwise, contiguous tensors of one shape."""
     n, grid, block = _elementwise(activation, [("pre", pre), ("out", out)])
     if n:
-        _act_fwd_kernel[grid](pre, out, n, ACTIVATION=ACTIVATIONS[activation], RTNE_BITS=bool(INTERPRETING),
+        _act_fwd_kernel[grid](pre, out, n, ACTIVATION=ACTIVATIONS[activation],
                               BLOCK=block, num_warps=8)
 
 
@@ -291,7 +279,7 @@ def act_bwd(pre, dout, dpre, activation: str) -> None:
     """dpre = dout * act'(pre), elementwise, contiguous tensors of one shape."""
     n, grid, block = _elementwise(activation, [("pre", pre), ("dout", dout), ("dpre", dpre)])
     if n:
-        _act_bwd_kernel[grid](pre, dout, dpre, n, ACTIVATION=ACTIVATIONS[activation], RTNE_BITS=bool(INTERPRETING),
+        _act_bwd_kernel[grid](pre, dout, dpre, n, ACTIVATION=ACTIVATIONS[activation],
                               BLOCK=block, num_warps=8)
 
 
