@@ -345,6 +345,42 @@ def test_triton_saved_buffers_follow_the_backward_contract(variant):
     assert_close("CB", buf["CB"].numpy(), np.einsum("bctgn,bcsgn->bcgts", Ck, Bk), "float32")
 
 
+def test_triton_states_in_x_dtype():
+    """bf16 x with stages 3+4 fused: ``states_dtype`` gives bf16 states, which are the fp32 ones rounded,
+    with the same y and final states (the chunk scan rounds the state to bf16 either way); the unfused
+    state passing refuses a bf16 buffer."""
+    from paddlenlp_fused.kernels.triton import ssd as K
+    from paddlenlp_fused.runtime.triton_paddle import triton_args
+
+    chunk, ngroups = 8, 2
+    fused, apart = K.SSDConfig(fuse_state_passing=True), K.SSDConfig(fuse_state_passing=False)
+    assert K.states_dtype("bfloat16", BATCH, NHEADS, fused) == "bfloat16"
+    assert K.states_dtype("bfloat16", BATCH, NHEADS, apart) == "float32"
+    assert K.states_dtype("float32", BATCH, NHEADS, fused) == "float32"
+    a = _inputs(ngroups, dtype="bfloat16")
+    shapes = K.buffer_shapes(BATCH, SEQLEN, NHEADS, HEADDIM, ngroups, DSTATE, chunk)
+
+    def forward(states_dtype, config):
+        buf = {k: paddle.full(list(v), float("nan"), states_dtype if k == "states" else "float32")
+               for k, v in shapes.items()}
+        out = paddle.full(a["x"].shape, float("nan"), "bfloat16")
+        t = triton_args(a["x"], a["dt"], a["A"], a["B"], a["C"], out, buf["dt_out"], buf["dA_cumsum"], buf["states"],
+                        buf["CB"], buf["final_states"], a["D"], a["dt_bias"], a["initial_states"])
+        K.ssd_chunked_fwd(*t[:11], chunk_size=chunk, D=t[11], dt_bias=t[12], initial_states=t[13], dt_softplus=True,
+                          config=config)
+        return out.astype("float32").numpy(), {k: v.astype("float32").numpy() for k, v in buf.items()}
+
+    out32, buf32 = forward("float32", fused)
+    out16, buf16 = forward("bfloat16", fused)
+    assert not np.isnan(out16).any()
+    np.testing.assert_array_equal(out16, out32)
+    np.testing.assert_array_equal(buf16["final_states"], buf32["final_states"])
+    rounded = paddle.to_tensor(buf32["states"]).astype("bfloat16").astype("float32").numpy()
+    np.testing.assert_array_equal(buf16["states"], rounded)
+    with pytest.raises(TypeError, match="states"):
+        forward("bfloat16", apart)
+
+
 def test_triton_chunk_sizes_and_fallback():
     from paddlenlp_fused.kernels.triton import ssd as K
 

@@ -102,7 +102,14 @@ def test_launch_variants_match_float64_autograd(case, tuning, monkeypatch):
     _check_case(case)
 
 
-def _check_case(case):
+@pytest.mark.parametrize("case", ["channel_D_bf16", "seq_fp16"])
+def test_states_in_x_dtype_match_float64_autograd(case):
+    """The entering states in x's dtype, as the forward leaves them when stages 3+4 run fused
+    (``ssd.states_dtype``): no fp32 copy to round, the d cs_end term on the rounded states."""
+    _check_case(case, states_in_x_dtype=True)
+
+
+def _check_case(case, states_in_x_dtype=False):
     dtype, (batch, seqlen, nheads, P, ngroups, N), K, opt = CASES[case]
     x = paddle.to_tensor(_rand((batch, seqlen, nheads, P))).astype(dtype)
     dt = paddle.to_tensor(_rand((batch, seqlen, nheads), 0.5) + (0.0 if opt.get("softplus") else 0.7)).astype(dtype)
@@ -166,11 +173,13 @@ def _check_case(case):
     if init is not None:
         grads["initial_states"] = nan(init.shape, "float32")
     ws = {name: paddle.full(list(shape), -7 if dt_ == "int32" else float("nan"), dtype=dt_) for name, (shape, dt_)
-          in workspace_shapes(batch, seqlen, nheads, P, N, K, z is not None, dtype).items()}
+          in workspace_shapes(batch, seqlen, nheads, P, N, K, z is not None, dtype,
+                              dtype if states_in_x_dtype else "float32").items()}
     ws_names = sorted(ws)
     order = ["dout", "x", "dt", "A", "B", "C", "dt_out", "cs", "states", "CB", "gx", "gdt", "gA", "gB", "gC",
              "D", "z", "out_x", "dt_bias", "init", "seq_idx", "dfinal", "gD", "gz", "gdt_bias", "ginit"]
-    tensors = dict(dout=dout, x=x, dt=dt, A=A, B=B, C=C, dt_out=f32(dt_out), cs=f32(cs), states=f32(states),
+    states = f32(states).astype(dtype) if states_in_x_dtype else f32(states)
+    tensors = dict(dout=dout, x=x, dt=dt, A=A, B=B, C=C, dt_out=f32(dt_out), cs=f32(cs), states=states,
                    CB=f32(CB), gx=grads["x"], gdt=grads["dt"], gA=grads["A"], gB=grads["B"], gC=grads["C"], D=D, z=z,
                    out_x=out_x, dt_bias=dt_bias, init=init, seq_idx=seq_idx, dfinal=dfinal, gD=grads.get("D"),
                    gz=grads.get("z"), gdt_bias=grads.get("dt_bias"), ginit=grads.get("initial_states"))

@@ -142,7 +142,10 @@ class SSDChunkedFunction(PyLayer):
             contiguous(t) for t in (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx))
         batch, seqlen, nheads, headdim = x.shape
         shapes = K.buffer_shapes(batch, seqlen, nheads, headdim, B.shape[2], B.shape[3], chunk_size)
-        buf = {name: empty_on(shape, "float32", x) for name, shape in shapes.items()}
+        buf = {name: empty_on(shape, "float32", x) for name, shape in shapes.items() if name != "states"}
+        # x's dtype where the kernels allow it (half the bytes); fp32 when the varlen states read them
+        states_dtype = "float32" if positions is not None else K.states_dtype(T.dtype_name(x), batch, nheads)
+        buf["states"] = empty_on(shapes["states"], states_dtype, x)
         out = empty_on(x.shape, x.dtype, x)
         out_x = empty_on(x.shape, x.dtype, x) if z is not None else None
         args = triton_args(x, dt, A, B, C, out, buf["dt_out"], buf["dA_cumsum"], buf["states"], buf["CB"],
@@ -182,7 +185,7 @@ class SSDChunkedFunction(PyLayer):
         dinit = zeros32_on(initial_states.shape, x) if initial_states is not None else None
         names, work = [], []
         for name, (shape, dtype) in workspace_shapes(*x.shape, B.shape[3], ctx.options["chunk_size"], z is not None,
-                                                     T.dtype_name(dout)).items():
+                                                     T.dtype_name(dout), T.dtype_name(states)).items():
             names.append(name)
             work.append(empty_on(shape, dtype, x))
         a = triton_args(dout, x, dt, A, B, C, dt_out, dA_cumsum, states, CB, dx, ddt, dA, dB, dC, D, z, out_x,

@@ -124,7 +124,9 @@ def _run(provider, a, chunk, softplus=False, limit=(0.0, math.inf), config=None)
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = a["B"].shape[2:]
     dtype = str(x.dtype).split(".")[-1]
-    buf = {k: provider.poisoned(v, "float32") for k, v in
+    # the states in x's dtype where the kernels allow it (stages 3+4 fused, 16-bit x), as the op passes them
+    states_dtype = K.states_dtype(dtype, batch, nheads, config)
+    buf = {k: provider.poisoned(v, states_dtype if k == "states" else "float32") for k, v in
            K.buffer_shapes(batch, seqlen, nheads, headdim, ngroups, dstate, chunk).items()}
     out = provider.poisoned(x.shape, dtype)
     out_x = provider.poisoned(x.shape, dtype) if "z" in a else None

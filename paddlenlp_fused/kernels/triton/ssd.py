@@ -14,7 +14,7 @@ Shapes (``b`` batch, ``l`` seqlen, ``h`` nheads, ``p`` headdim, ``g`` ngroups di
                               run (the op numbers the runs, so ids never repeat after a change)
     dt_out, dA_cumsum         [b, h, c, K] fp32  processed dt (0 past l); inclusive cumsum of dt*A per chunk
     CB                        [b, c, g, K, K] fp32  C_t . B_s inside each chunk (unmasked)
-    states                    [b, c, h, p, n] fp32  the state entering each chunk
+    states                    [b, c, h, p, n] fp32, or x's dtype (``states_dtype``): the state entering each chunk
     final_states              [b, h, p, n] fp32  the state after the last token
 
 Recurrence (per head): ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T``, ``y_t = h_t C_t + D x_t``, then
@@ -31,7 +31,7 @@ Stages (one launch each), with ``cs`` = dA_cumsum:
     new run ends chunk c (seq_idx), exactly as the reference.
  3+4 fused (once batch * nheads >= FUSED_MIN_ROWS, or ``SSDConfig.fuse_state_passing``): one program
     per (p, n) tile, batch and head walks all tokens, the state in registers; half the memory traffic
-    of 3 and 4 (0.256 ms instead of 0.209 + 0.144 at the canonical shape on the H200).
+    of 3 and 4 (0.200 ms instead of 0.209 + 0.144 at the canonical shape on the H200, states in bf16).
  5. chunk scan: ``y_t = sum_{s<=t, same run} CB_ts exp(cs_t - cs_s) dt_s x_s
     + exp(cs_t) C_t states[c]^T (if t is in the run that entered the chunk) + D x_t``, then the gate.
     By default a program walks the token tiles of one chunk (entering state read once), loads the CB
@@ -59,13 +59,14 @@ import triton
 import triton.language as tl
 
 from ...runtime import tensor as T
-from .interpreter_compat import INTERPRETING, dot_operand
+from .interpreter_compat import INTERPRETING, dot_operand, round_to
 
 
 class SSDConfig(NamedTuple):
     """Tile sizes (powers of two; clipped to the problem) and launch options of the stages. Defaults:
     the best of the H200 sweep at the canonical shape (x [4, 4096, 64, 128] bf16, dstate 128, chunk
-    256): fused stages 3+4 0.256 ms, chunk scan 0.526 ms (from 0.38 and 1.20 ms with the old defaults)."""
+    256) of an earlier round; that shape now takes the autotuned kernels (``_SCAN_CONFIGS``,
+    ``_FUSED_CONFIGS``), these serve the interpreter and small problems."""
     cumsum_block_h: int = 8
     cb_block: int = 64           # CB tile [cb_block, cb_block], dstate steps of 64
     state_block_p: int = 128     # chunk-state tile [p, n], token steps
@@ -96,10 +97,11 @@ class SSDConfig(NamedTuple):
     # state is read once per (chunk, head, headdim tile) instead of once per token tile
     scan_m_loop: bool = True
     # bf16 only: the intra-chunk weights (C.B * decay * dt, fp32) go into the matmul as two bf16 terms
-    # (y's error against float64 1.7e-3 instead of 2.4e-3 at the canonical shape; one more matmul).
-    # On by default: with one term, small-chunk bf16 cases drew dz errors past DESIGN's bf16 bound
-    # (9.3e-3 > 7.8e-3 in CI); off saves ~0.05 ms of the canonical forward
-    split_scores: bool = True
+    # (8 more bits; y's error against float64 1.7e-3 instead of 2.4e-3 at the canonical shape) for one
+    # more matmul (~0.05 ms of the canonical forward). Off: one term is what any bf16 GEMM of these
+    # weights gives, well inside DESIGN's bound. (The CPU suite's dz errors past the bound with one term
+    # came from the interpreter truncating the bf16 cast; it now rounds as the GPU does, ``round_to``.)
+    split_scores: bool = False
     # chunk scan recomputes its C.B blocks by matmul (C tile kept in registers) instead of loading
     # the fp32 CB written by stage 2 (which the backward reads); for dstate <= 256
     recompute_cb: bool = False
@@ -212,7 +214,7 @@ def _own_state(x_ptr, B_ptr, dt_out_ptr, cs_ptr, seq_ptr, pid_b, pid_c, pid_h, t
                      other=0.0)                                                           # [p, k]
         b = tl.load(B_base + k[:, None] * bc_stride + n[None, :], mask=kmask[:, None] & nmask[None, :],
                     other=0.0).to(tl.float32)                                             # [k, n]
-        bw = (b * weight[:, None]).to(xt.dtype)
+        bw = round_to(b * weight[:, None], xt.dtype)
         acc = tl.dot(dot_operand(xt), dot_operand(bw), acc, input_precision=DOT_PRECISION)
     return acc, cs_end
 
@@ -254,7 +256,7 @@ def _chunk_state_kernel(x_ptr, B_ptr, dt_out_ptr, cs_ptr, seq_ptr, states_ptr, f
     if AT_POSITIONS:
         from_start = cs_end
         entering = (((pid_b * nchunks + pid_c).to(tl.int64) * nheads + pid_h) * headdim) * dstate
-        carried = tl.load(states_ptr + entering + tile, mask=tile_mask, other=0.0)
+        carried = tl.load(states_ptr + entering + tile, mask=tile_mask, other=0.0).to(tl.float32)
         if HAS_SEQ:  # in the run of the token just before the chunk (the first token's for chunk 0)?
             seq_row = seq_ptr + pid_b.to(tl.int64) * seqlen
             seg_end = tl.load(seq_row + pid_c * CHUNK + t_end)
@@ -313,7 +315,8 @@ def _fused_state_passing_kernel(x_ptr, B_ptr, dt_out_ptr, cs_ptr, seq_ptr, init_
         chunk_start = k0 % CHUNK == 0
         c = k0 // CHUNK
         # branch-free so the loop stays one software pipeline: a masked store, a select
-        tl.store(states_base + c.to(tl.int64) * chunk_stride, h, mask=tile_mask & chunk_start)
+        tl.store(states_base + c.to(tl.int64) * chunk_stride, round_to(h, states_ptr.dtype.element_ty),
+                 mask=tile_mask & chunk_start)
         cs_before = tl.load(cs_ptr + cs_base + tl.maximum(k0 - 1, 0))
         cs_before = tl.where(chunk_start, 0.0, cs_before)
         cs_blockend = tl.load(cs_ptr + cs_base + k0 + BLOCK_K - 1)
@@ -331,7 +334,7 @@ def _fused_state_passing_kernel(x_ptr, B_ptr, dt_out_ptr, cs_ptr, seq_ptr, init_
                      other=0.0)                                                           # [p, k]
         b = tl.load(B_blk + kk[:, None] * bc_stride + n[None, :], mask=kmask[:, None] & nmask[None, :],
                     other=0.0).to(tl.float32)                                             # [k, n]
-        bw = (b * weight[:, None]).to(xt.dtype)
+        bw = round_to(b * weight[:, None], xt.dtype)
         h = tl.dot(dot_operand(xt), dot_operand(bw), h * tl.exp(cs_blockend - cs_before),
                    input_precision=DOT_PRECISION)
         x_blk += BLOCK_K * x_stride
@@ -425,8 +428,8 @@ def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, CB_ptr, dt_out_ptr, cs_ptr, states_p
     if RECOMPUTE_CB or M_LOOP:  # one dstate tile: the entering state [n, p], once per program
         n = tl.arange(0, BLOCK_N)
         nmask = n < dstate
-        st = tl.load(st_base + p[None, :] * dstate + n[:, None], mask=nmask[:, None] & pmask[None, :],
-                     other=0.0).to(mm_dtype)
+        st = round_to(tl.load(st_base + p[None, :] * dstate + n[:, None], mask=nmask[:, None] & pmask[None, :],
+                              other=0.0), mm_dtype)
     if HAS_D:
         if D_PER_DIM:
             d = tl.load(D_ptr + pid_h * headdim + p, mask=pmask, other=0.0).to(tl.float32)[None, :]
@@ -442,17 +445,18 @@ def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, CB_ptr, dt_out_ptr, cs_ptr, states_p
         # inter-chunk: exp(cs_t) C_t . state_in[p, :]
         acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
         if RECOMPUTE_CB or M_LOOP:  # c stays for the intra-chunk products when RECOMPUTE_CB
-            c = tl.load(C_base + t[:, None] * bc_stride + n[None, :], mask=tmask[:, None] & nmask[None, :],
-                        other=0.0).to(mm_dtype)                                            # [t, n]
+            c = round_to(tl.load(C_base + t[:, None] * bc_stride + n[None, :],
+                                 mask=tmask[:, None] & nmask[None, :], other=0.0), mm_dtype)  # [t, n]
             acc = tl.dot(dot_operand(c), dot_operand(st), acc, input_precision=DOT_PRECISION)
         else:
             for n0 in range(0, dstate, BLOCK_N):
                 nn = n0 + tl.arange(0, BLOCK_N)
-                c_n = tl.load(C_base + t[:, None] * bc_stride + nn[None, :],
-                              mask=tmask[:, None] & (nn < dstate)[None, :], other=0.0).to(mm_dtype)
+                c_n = round_to(tl.load(C_base + t[:, None] * bc_stride + nn[None, :],
+                                       mask=tmask[:, None] & (nn < dstate)[None, :], other=0.0), mm_dtype)
                 st_n = tl.load(st_base + p[None, :] * dstate + nn[:, None],
                                mask=(nn < dstate)[:, None] & pmask[None, :], other=0.0)
-                acc = tl.dot(dot_operand(c_n), dot_operand(st_n.to(mm_dtype)), acc, input_precision=DOT_PRECISION)
+                acc = tl.dot(dot_operand(c_n), dot_operand(round_to(st_n, mm_dtype)), acc,
+                             input_precision=DOT_PRECISION)
         from_start = cs_t
         if HAS_SEQ:
             from_start = tl.where(seg_t == seg_prev, cs_t, float("-inf"))
@@ -465,8 +469,8 @@ def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, CB_ptr, dt_out_ptr, cs_ptr, states_p
             cs_s = tl.load(cs_ptr + chunk_row + s)
             dt_s = tl.load(dt_out_ptr + chunk_row + s)
             if RECOMPUTE_CB:
-                bt = tl.load(B_base + s[None, :] * bc_stride + n[:, None], mask=nmask[:, None] & smask[None, :],
-                             other=0.0).to(mm_dtype)                                       # [n, s]
+                bt = round_to(tl.load(B_base + s[None, :] * bc_stride + n[:, None],
+                                      mask=nmask[:, None] & smask[None, :], other=0.0), mm_dtype)  # [n, s]
                 cb = tl.dot(dot_operand(c), dot_operand(bt), input_precision=DOT_PRECISION)
             else:
                 cb = tl.load(cb_base + t[:, None] * CHUNK + s[None, :])
@@ -480,10 +484,10 @@ def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, CB_ptr, dt_out_ptr, cs_ptr, states_p
                 scores += tl.where(s[None, :] == t[:, None], d, 0.0)
             xs = tl.load(x_base + s[:, None] * x_stride + p[None, :], mask=smask[:, None] & pmask[None, :],
                          other=0.0)                                                        # [s, p]
-            scores_hi = scores.to(xs.dtype)
+            scores_hi = round_to(scores, xs.dtype)
             acc = tl.dot(dot_operand(scores_hi), dot_operand(xs), acc, input_precision=DOT_PRECISION)
             if SPLIT_SCORES:  # a second bf16 term carries what the first rounded off (8 more bits)
-                scores_lo = (scores - scores_hi.to(tl.float32)).to(xs.dtype)
+                scores_lo = round_to(scores - scores_hi.to(tl.float32), xs.dtype)
                 acc = tl.dot(dot_operand(scores_lo), dot_operand(xs), acc, input_precision=DOT_PRECISION)
 
         tile = t[:, None] * x_stride + p[None, :]
@@ -491,10 +495,10 @@ def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, CB_ptr, dt_out_ptr, cs_ptr, states_p
         if D_PER_DIM:
             acc += d * tl.load(x_base + tile, mask=tile_mask, other=0.0).to(tl.float32)
         if HAS_Z:
-            tl.store(out_x_ptr + out_base + tile, acc.to(out_x_ptr.dtype.element_ty), mask=tile_mask)
+            tl.store(out_x_ptr + out_base + tile, round_to(acc, out_x_ptr.dtype.element_ty), mask=tile_mask)
             zt = tl.load(z_ptr + out_base + tile, mask=tile_mask, other=0.0).to(tl.float32)
             acc *= zt / (1.0 + tl.exp(-zt))
-        tl.store(out_ptr + out_base + tile, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
+        tl.store(out_ptr + out_base + tile, round_to(acc, out_ptr.dtype.element_ty), mask=tile_mask)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -535,7 +539,9 @@ def _prune_tile_configs(configs, named_args, **kwargs):
                                   "BLOCK_N": _pow2_at_least_16(named_args["dstate"])})
 
 
-# (BLOCK_M, BLOCK_P, BLOCK_K, warps, stages, RECOMPUTE_CB, M_LOOP); the last one serves dstate > 256
+# (BLOCK_M, BLOCK_P, BLOCK_K, warps, stages, RECOMPUTE_CB, M_LOOP); the last one serves dstate > 256 and is
+# the H200's pick at the canonical shape (sweep, whole forward: 0.707 ms; recomputing C.B 0.736, walking the
+# token tiles 0.767-0.777, 128-token tiles with 8 warps 0.82-0.97)
 _SCAN_CONFIGS = [triton.Config(dict(BLOCK_M=bm, BLOCK_P=bp, BLOCK_K=bk, RECOMPUTE_CB=rc, M_LOOP=ml, HEADS_FIRST=True),
                                num_warps=w, num_stages=st)
                  for bm, bp, bk, w, st, rc, ml in ((64, 128, 32, 4, 3, False, True), (64, 128, 64, 4, 2, False, True),
@@ -548,13 +554,14 @@ _STATE_CONFIGS = [triton.Config(dict(BLOCK_P=bp, BLOCK_N=bn, BLOCK_K=bk), num_wa
                   for bp, bn, bk, w, st in ((128, 64, 64, 8, 3), (64, 128, 32, 4, 3), (128, 128, 32, 8, 2))]
 _chunk_state_tuned = triton.autotune(_STATE_CONFIGS, key=["CHUNK", "headdim", "dstate", "ngroups", "HAS_SEQ"],
                                      prune_configs_by={"early_config_prune": _prune_tile_configs})(_chunk_state_kernel)
-# (BLOCK_P, BLOCK_N, BLOCK_K, warps, stages): 0.256 ms measured for the first, 0.29-0.30 for the last two;
-# the others untried (all compile without spills for headdim = dstate = 128)
+# (BLOCK_P, BLOCK_N, BLOCK_K, warps, stages). H200 sweep, canonical shape, bf16 states, whole forward with
+# a fixed chunk scan: (128, 64, 128, 4, 2) 0.662 ms, (64, 128, 128, 4, 2) 0.686, (128, 128, 128, 8, 2) 0.687,
+# (128, 128, 64, 8, 3) 0.716, (64, 64, 128, 4, 2) 0.736, (128, 128, 256, 8, 1) 0.734, (64, 128, 256, 4, 2)
+# 0.891; the others untried (all compile without spills for headdim = dstate = 128)
 _FUSED_CONFIGS = [triton.Config(dict(BLOCK_P=bp, BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=st)
-                  for bp, bn, bk, w, st in ((64, 64, 128, 4, 2), (64, 64, 128, 4, 3), (64, 64, 256, 4, 2),
-                                            (64, 64, 256, 4, 1), (64, 128, 128, 8, 2), (128, 64, 128, 8, 2),
-                                            (128, 128, 128, 8, 2), (128, 128, 64, 8, 3), (128, 128, 64, 8, 2),
-                                            (64, 128, 64, 4, 3))]
+                  for bp, bn, bk, w, st in ((128, 64, 128, 4, 2), (128, 64, 128, 4, 3), (128, 64, 64, 4, 3),
+                                            (64, 128, 128, 4, 2), (128, 128, 128, 8, 2), (128, 128, 64, 8, 3),
+                                            (64, 64, 128, 4, 2), (64, 64, 128, 4, 3), (128, 64, 128, 8, 2))]
 _fused_states_tuned = triton.autotune(_FUSED_CONFIGS, key=["CHUNK", "headdim", "dstate", "ngroups", "HAS_SEQ",
                                                            "HAS_INIT"],
                                       prune_configs_by={"early_config_prune": _prune_tile_configs})(
@@ -729,8 +736,9 @@ def _check_common(x, dt, A, B, C, dt_out, dA_cumsum, states, seq_idx, chunk_size
         raise TypeError(f"C: expected B's dtype {T.dtype_name(B)}, got {T.dtype_name(C)}")
     _expect("seq_idx", seq_idx, (d.batch, d.seqlen), ("int32", "int64"))
     shapes = buffer_shapes(d.batch, d.seqlen, d.nheads, d.headdim, d.ngroups, d.dstate, d.chunk)
-    for name, t in (("dt_out", dt_out), ("dA_cumsum", dA_cumsum), ("states", states)):
+    for name, t in (("dt_out", dt_out), ("dA_cumsum", dA_cumsum)):
         _expect(name, t, shapes[name], ("float32",))
+    _expect("states", states, shapes["states"], ("float32", T.dtype_name(x)))
     return d
 
 
@@ -738,8 +746,9 @@ def ssd_chunked_fwd(x, dt, A, B, C, out, dt_out, dA_cumsum, states, CB, final_st
                     out_x=None, dt_bias=None, initial_states=None, seq_idx=None, dt_softplus=False,
                     dt_limit=(0.0, math.inf), config: Optional[SSDConfig] = None) -> None:
     """The whole forward (stages 1-5), writing out [b, l, h, p] (x's dtype), out_x (with z: y before
-    the gate), and the fp32 buffers dt_out, dA_cumsum, states, CB, final_states (shapes from
-    ``buffer_shapes``). ``seq_idx`` holds run ids (see the module docstring)."""
+    the gate), and the fp32 buffers dt_out, dA_cumsum, CB, final_states (shapes from ``buffer_shapes``)
+    and states (float32, or x's dtype where ``states_dtype`` allows it). ``seq_idx`` holds run ids (see
+    the module docstring)."""
     d = _check_common(x, dt, A, B, C, dt_out, dA_cumsum, states, seq_idx, chunk_size)
     explicit, config = config, config or DEFAULT_CONFIG
     shapes = buffer_shapes(d.batch, d.seqlen, d.nheads, d.headdim, d.ngroups, d.dstate, d.chunk)
@@ -755,19 +764,36 @@ def ssd_chunked_fwd(x, dt, A, B, C, out, dt_out, dA_cumsum, states, CB, final_st
     if D is not None and T.shape(D) not in ((d.nheads,), (d.nheads, d.headdim)):
         raise ValueError(f"D: expected [nheads={d.nheads}] or [nheads, headdim={d.headdim}], got {T.shape(D)}")
     _expect("D", D, T.shape(D) if D is not None else None)
+    if T.dtype_name(states) not in ("float32", states_dtype(T.dtype_name(x), d.batch, d.nheads, config)):
+        raise TypeError(f"states: a {T.dtype_name(states)} buffer needs stages 3+4 fused (the unfused state passing "
+                        f"sums the stored states): pass float32 (``states_dtype`` says which)")
 
     ssd_chunk_cumsum(dt, A, dt_out, dA_cumsum, chunk_size=d.chunk, dt_bias=dt_bias, dt_softplus=dt_softplus,
                      dt_limit=dt_limit, config=config)
     ssd_chunk_cb(C, B, CB, chunk_size=d.chunk, config=config)
-    fuse = config.fuse_state_passing
-    if fuse is None:
-        fuse = not INTERPRETING and d.batch * d.nheads >= FUSED_MIN_ROWS
-    if fuse:
+    if _fuses_state_passing(d.batch, d.nheads, config):
         _launch_fused_states(x, B, dt_out, dA_cumsum, seq_idx, initial_states, states, final_states, d, explicit)
     else:
         _launch_chunk_state(x, B, dt_out, dA_cumsum, seq_idx, states, final_states, None, None, d, explicit)
         _launch_state_passing(states, final_states, initial_states, dA_cumsum, seq_idx, d, config)
     _launch_chunk_scan(x, B, C, CB, dt_out, dA_cumsum, states, seq_idx, D, z, out, out_x, d, explicit)
+
+
+def _fuses_state_passing(batch: int, nheads: int, config: SSDConfig) -> bool:
+    if config.fuse_state_passing is None:
+        return not INTERPRETING and batch * nheads >= FUSED_MIN_ROWS
+    return config.fuse_state_passing
+
+
+def states_dtype(x_dtype: str, batch: int, nheads: int, config: Optional[SSDConfig] = None) -> str:
+    """The dtype the forward's ``states`` buffer should have: x's for 16-bit x when stages 3+4 run
+    fused, float32 otherwise. Fused, the state is summed in fp32 registers and only stored for its
+    readers, whose products (chunk scan, backward) round it to x's dtype anyway: half the bytes
+    written and read (a 16-bit buffer also rounds the backward's d cs_end term and ``ssd_states_at``'s
+    carried state; ask for float32 there). Unfused, the state passing sums the stored states: float32."""
+    if x_dtype in ("float16", "bfloat16") and _fuses_state_passing(batch, nheads, config or DEFAULT_CONFIG):
+        return x_dtype
+    return "float32"
 
 
 def _launch_state_passing(states, final_states, initial_states, dA_cumsum, seq_idx, d: _Dims, config: SSDConfig):
@@ -837,7 +863,8 @@ def _launch_chunk_scan(x, B, C, CB, dt_out, dA_cumsum, states, seq_idx, D, z, ou
 def ssd_states_at(x, dt, A, B, dt_out, dA_cumsum, states, positions, states_at, *, chunk_size, seq_idx=None,
                   config: Optional[SSDConfig] = None) -> None:
     """states_at [b, npos, h, p, n] (fp32) = the state right after token ``positions[i]`` (int
-    [npos], each < seqlen), from the forward's dt_out, dA_cumsum and entering states."""
+    [npos], each < seqlen), from the forward's dt_out, dA_cumsum and entering states (float32 ones
+    for fp32 accuracy: a 16-bit ``states`` rounds the carried part)."""
     config = config or DEFAULT_CONFIG
     d = _check_common(x, dt, A, B, None, dt_out, dA_cumsum, states, seq_idx, chunk_size)
     if len(T.shape(positions)) != 1:
@@ -849,9 +876,9 @@ def ssd_states_at(x, dt, A, B, dt_out, dA_cumsum, states, positions, states_at, 
 
 
 def compile_cases():
-    """The canonical bf16 case (D; autotuned, stages 3+4 fused) and fp16/fp32 at a quarter of it
-    (fixed tiles), z + D [h, p] + seq_idx + initial states + limits at an odd shape; in bf16 also the
-    fixed-tile fused stages 3+4 and the other chunk-scan variants; the positions kernel."""
+    """The canonical bf16 case (D; autotuned, stages 3+4 fused, bf16 states) and fp16/fp32 at a quarter
+    of it (fixed tiles), z + D [h, p] + seq_idx + initial states + limits at an odd shape; in bf16 also
+    the fixed-tile fused stages 3+4 and the other chunk-scan variants; the positions kernel."""
     S = T.SpecTensor
     for dtype, (batch, seqlen, nheads, headdim, ngroups, dstate, chunk), extras in (
             ("bfloat16", (4, 4096, 64, 128, 1, 128, 256), False),  # autotuned: every config
@@ -861,23 +888,25 @@ def compile_cases():
         x, out = S((batch, seqlen, nheads, headdim), dtype), S((batch, seqlen, nheads, headdim), dtype)
         dt, A = S((batch, seqlen, nheads), dtype), S((nheads,), "float32")
         B, C = S((batch, seqlen, ngroups, dstate), dtype), S((batch, seqlen, ngroups, dstate), dtype)
-        buf = {k: S(v, "float32") for k, v in buffer_shapes(batch, seqlen, nheads, headdim, ngroups, dstate,
-                                                              chunk).items()}
+        shapes = buffer_shapes(batch, seqlen, nheads, headdim, ngroups, dstate, chunk)
+        buf = {k: S(v, "float32") for k, v in shapes.items()}
         kw = dict(chunk_size=chunk, D=S((nheads,), "float32"))
         if extras:
             kw.update(D=S((nheads, headdim), "float32"), z=S(x.shape, dtype), out_x=S(x.shape, dtype),
                       dt_bias=S((nheads,), "float32"), initial_states=S(buf["final_states"].shape, "float32"),
                       seq_idx=S((batch, seqlen), "int32"), dt_softplus=True, dt_limit=(0.01, 10.0))
-        args = (x, dt, A, B, C, out, buf["dt_out"], buf["dA_cumsum"], buf["states"], buf["CB"], buf["final_states"])
-        yield f"ssd_chunked_fwd[{dtype},{'extras' if extras else 'canonical'}]", \
-            lambda a=args, k=kw: ssd_chunked_fwd(*a, **k)
-        for variant, config in (("fused", SSDConfig(fuse_state_passing=True)),
-                                ("apart,recompute_cb", SSDConfig(fuse_state_passing=False, recompute_cb=True,
-                                                                 scan_m_loop=False, split_scores=False))):
-            if dtype == "bfloat16":
-                yield f"ssd_chunked_fwd[{dtype},{'extras' if extras else 'canonical'},{variant}]", \
-                    lambda a=args, k=kw, c=config: ssd_chunked_fwd(*a, **k, config=c)
+        label = "extras" if extras else "canonical"
+        variants = [("", None)]
+        if dtype == "bfloat16":
+            variants += [(",fused", SSDConfig(fuse_state_passing=True)),
+                         (",apart,recompute_cb,split", SSDConfig(fuse_state_passing=False, recompute_cb=True,
+                                                                 scan_m_loop=False, split_scores=True))]
+        for variant, config in variants:
+            states = S(shapes["states"], states_dtype(dtype, batch, nheads, config))
+            args = (x, dt, A, B, C, out, buf["dt_out"], buf["dA_cumsum"], states, buf["CB"], buf["final_states"])
+            yield f"ssd_chunked_fwd[{dtype},{label}{variant}]", \
+                lambda a=args, k=kw, c=config: ssd_chunked_fwd(*a, **k, config=c)
         if extras:
             pos, at = S((5,), "int64"), S((batch, 5, nheads, headdim, dstate), "float32")
-            yield f"ssd_states_at[{dtype}]", lambda a=args, p=pos, s=at, q=kw["seq_idx"]: ssd_states_at(
-                a[0], a[1], a[2], a[3], a[6], a[7], a[8], p, s, chunk_size=chunk, seq_idx=q)
+            yield f"ssd_states_at[{dtype}]", lambda a=args, st=buf["states"], p=pos, s=at, q=kw["seq_idx"]: \
+                ssd_states_at(a[0], a[1], a[2], a[3], a[6], a[7], st, p, s, chunk_size=chunk, seq_idx=q)

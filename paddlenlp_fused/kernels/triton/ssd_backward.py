@@ -38,7 +38,7 @@ Shapes: x, z, dout, out_x, dx, dz ``[batch, seqlen, nheads, headdim]``; dt, ddt 
 nheads]``; A, dA, dt_bias, ddt_bias ``[nheads]``; B, C, dB, dC ``[batch, seqlen, ngroups, dstate]``;
 D, dD ``[nheads]`` or ``[nheads, headdim]``; initial/final states and their gradients ``[batch,
 nheads, headdim, dstate]``; seq_idx ``[batch, seqlen]`` int32/int64; dt_out, dA_cumsum ``[batch, nheads,
-nchunks, chunk_size]`` fp32; states ``[batch, nchunks, nheads, headdim, dstate]`` fp32; CB ``[batch,
+nchunks, chunk_size]`` fp32; states ``[batch, nchunks, nheads, headdim, dstate]`` fp32 or x's dtype; CB ``[batch,
 nchunks, ngroups, chunk_size, chunk_size]`` fp32 (CB[..., t, s] = C_t . B_s). Every tensor contiguous.
 
 Matrix products take operands in x's dtype (fp32 intermediates cast down, as on the forward) with
@@ -57,16 +57,17 @@ import triton
 import triton.language as tl
 
 from ...runtime import tensor as T
-from .interpreter_compat import INTERPRETING, dot_operand
+from .interpreter_compat import dot_operand, round_to
 
 _INT_DTYPES = ("int32", "int64")
 
 
 def workspace_shapes(batch: int, seqlen: int, nheads: int, headdim: int, dstate: int, chunk_size: int,
-                     has_z: bool, dout_dtype: str):
+                     has_z: bool, dout_dtype: str, states_dtype: str = "float32"):
     """The scratch ``ssd_chunked_bwd`` needs, as ``{name: (shape, dtype)}``; the caller allocates each
     (contents need not be initialised) and passes the dict as ``workspace=``. ``dy`` only with z;
-    ``dstates`` (G_c, fp32) only when stages 3-4 run as two kernels (``TUNING`` at this call)."""
+    ``dstates`` (G_c, fp32) only when stages 3-4 run as two kernels (``TUNING`` at this call);
+    ``states_lp`` only for fp32 ``states`` (of dtype ``states_dtype``) with 16-bit dout."""
     nchunks = max(1, -(-seqlen // chunk_size))
     shapes = {
         "ddA_cumsum": ((batch, nheads, nchunks, chunk_size), "float32"),
@@ -76,7 +77,7 @@ def workspace_shapes(batch: int, seqlen: int, nheads: int, headdim: int, dstate:
     }
     if _fused_passing_config(batch, nheads, chunk_size, headdim, dstate) is None:
         shapes["dstates"] = ((batch, nchunks, nheads, headdim, dstate), "float32")
-    if dout_dtype != "float32":  # the states in x's dtype for the chunk-state dC product
+    if dout_dtype != "float32" and states_dtype == "float32":  # states in x's dtype for the dC product
         shapes["states_lp"] = ((batch, nchunks, nheads, headdim, dstate), dout_dtype)
     if has_z:
         shapes["dy"] = ((batch, seqlen, nheads, headdim), dout_dtype)
@@ -84,21 +85,9 @@ def workspace_shapes(batch: int, seqlen: int, nheads: int, headdim: int, dstate:
 
 
 @triton.jit
-def _cast(x, DTYPE: tl.constexpr):
-    """``x`` to DTYPE, rounding to nearest even (the interpreter's float->bf16 cast truncates: there
-    bf16 rounds by integer arithmetic on the fp32 bits, NaN kept NaN)."""
-    if INTERPRETING and DTYPE == tl.bfloat16:
-        x = x.to(tl.float32)
-        bits = x.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        x = tl.where(x != x, 0x7FC0, rounded).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return x.to(DTYPE)
-
-
-@triton.jit
 def _mm(a, b, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """a @ b with operands cast to DOT_DTYPE, fp32 accumulation."""
-    return tl.dot(dot_operand(_cast(a, DOT_DTYPE)), dot_operand(_cast(b, DOT_DTYPE)), input_precision=PRECISION,
+    return tl.dot(dot_operand(round_to(a, DOT_DTYPE)), dot_operand(round_to(b, DOT_DTYPE)), input_precision=PRECISION,
                   out_dtype=tl.float32)
 
 
@@ -119,8 +108,8 @@ def _gate_bwd_kernel(dout_ptr, z_ptr, out_x_ptr, dz_ptr, dy_ptr, n_rows, P,
     z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = tl.load(out_x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     sig = _sigmoid(z)
-    tl.store(dy_ptr + offs, _cast(dout * z * sig, dy_ptr.dtype.element_ty), mask=mask)
-    tl.store(dz_ptr + offs, _cast(dout * y * sig * (1.0 + z * (1.0 - sig)), dz_ptr.dtype.element_ty), mask=mask)
+    tl.store(dy_ptr + offs, round_to(dout * z * sig, dy_ptr.dtype.element_ty), mask=mask)
+    tl.store(dz_ptr + offs, round_to(dout * y * sig * (1.0 + z * (1.0 - sig)), dz_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -235,10 +224,10 @@ def _dstates_passing_kernel(dy_ptr, C_ptr, dt_out_ptr, dA_cs_ptr, runs_ptr, stat
     for k in range(nchunks):
         c = nchunks - 1 - k
         state = ((b * nchunks + c) * nheads + h) * P * N
-        tl.store(dSn_ptr + state + pn, _cast(dS, dSn_ptr.dtype.element_ty), mask=pn_mask)
-        S = tl.load(states_ptr + state + pn, mask=pn_mask, other=0.0)
+        tl.store(dSn_ptr + state + pn, round_to(dS, dSn_ptr.dtype.element_ty), mask=pn_mask)
+        S = tl.load(states_ptr + state + pn, mask=pn_mask, other=0.0).to(tl.float32)
         if WRITE_S_LP:
-            tl.store(S_lp_ptr + state + pn, _cast(S, S_lp_ptr.dtype.element_ty), mask=pn_mask)
+            tl.store(S_lp_ptr + state + pn, round_to(S, S_lp_ptr.dtype.element_ty), mask=pn_mask)
         end = ((b * nheads + h) * nchunks + c) * K + K - 1
         carry = tl.exp(tl.load(dA_cs_ptr + end))
         if HAS_SEQ:
@@ -281,9 +270,9 @@ def _state_passing_bwd_kernel(G_ptr, states_ptr, dA_cs_ptr, runs_ptr, dfinal_ptr
         more = mask & (c > 0)
         G_next = tl.load(G_ptr + head + (c - 1) * step, mask=more, other=0.0)
         S_next = tl.load(states_ptr + head + (c - 1) * step, mask=more, other=0.0)
-        tl.store(dSn_ptr + head + c * step, _cast(dS, dSn_ptr.dtype.element_ty), mask=mask)
+        tl.store(dSn_ptr + head + c * step, round_to(dS, dSn_ptr.dtype.element_ty), mask=mask)
         if WRITE_S_LP:
-            tl.store(S_lp_ptr + head + c * step, _cast(S, S_lp_ptr.dtype.element_ty), mask=mask)
+            tl.store(S_lp_ptr + head + c * step, round_to(S, S_lp_ptr.dtype.element_ty), mask=mask)
         end = ((b * nheads + h) * nchunks + c) * K + K - 1
         carry = tl.exp(tl.load(dA_cs_ptr + end).to(tl.float32))
         if HAS_SEQ:
@@ -391,7 +380,7 @@ def _chunk_dx_kernel(x_ptr, dy_ptr, B_ptr, CB_ptr, dt_out_ptr, dA_cs_ptr, runs_p
                 tl.atomic_add(dD_ptr + h * P + p, tl.sum(dy_s * x_s, axis=0), mask=p < P, sem="relaxed")
             else:
                 tl.atomic_add(dD_ptr + h, tl.sum(tl.sum(dy_s * x_s, axis=1), axis=0), sem="relaxed")
-        tl.store(dx_ptr + xs_offs, _cast(dx, dx_ptr.dtype.element_ty), mask=sp_mask)
+        tl.store(dx_ptr + xs_offs, round_to(dx, dx_ptr.dtype.element_ty), mask=sp_mask)
         if SPLIT_P:
             tl.atomic_add(ddt_direct_ptr + row + s, tl.sum(acc * x_s, axis=1), mask=s < K, sem="relaxed")
         else:
@@ -568,7 +557,7 @@ def _dt_bwd_kernel(dt_ptr, dt_bias_ptr, A_ptr, dt_out_ptr, ddt_direct_ptr, ddA_p
     if HAS_LIMIT:  # paddle.clip passes the gradient on [min, max]
         grad = tl.where((processed >= dt_min) & (processed <= dt_max), grad, 0.0)
     grad = tl.where(valid, grad, 0.0)
-    tl.store(ddt_ptr + tok, _cast(grad, ddt_ptr.dtype.element_ty), mask=valid)
+    tl.store(ddt_ptr + tok, round_to(grad, ddt_ptr.dtype.element_ty), mask=valid)
     if HAS_BIAS:
         tl.atomic_add(ddt_bias_ptr + h, tl.sum(grad, axis=0), sem="relaxed")
 
@@ -606,22 +595,27 @@ def _dx_config(K, N, P, dtype):
         return min(_pow2(K), 64), min(_pow2(K), 64), min(_pow2(N), 64), min(_pow2(P), 64), 8, 2, True, False
     # measured on the H200 at headdim 128, dstate 128, chunk 256 (bf16): 128-token blocks despite a small
     # spill (fewer re-reads of dS_c+1, B and dy), 4 warps spill more; heads first shares CB/B in L2
-    return min(_pow2(K), 128), min(_pow2(K), 64), min(_pow2(N), 64), min(_pow2(P), 128), 8, 2, True, False
+    # (round C: 32-token t steps 3 deep, 1.02 ms instead of 1.09 with 64-token steps 2 deep)
+    return min(_pow2(K), 128), min(_pow2(K), 32), min(_pow2(N), 64), min(_pow2(P), 128), 8, 3, True, False
 
 
-def _dcb_config(K, P, heads_per_group, batch_chunks):
+def _dcb_config(K, P, heads_per_group, batch_chunks, dtype):
     if TUNING["dcb"] is not None:
         return TUNING["dcb"]
     # all heads of a group in one program (fewest atomics) unless that leaves too few programs; the head
-    # loop pipelined 3 deep (2 past headdim 128, for shared memory)
+    # loop pipelined 3 deep (2 past headdim 128, for shared memory); 16-bit: 4 warps (H200, benchmark
+    # shape: 0.51 ms instead of 0.60 with 8), fp32 (tf32x3 products): 8
     per_split = heads_per_group if batch_chunks >= 32 else min(heads_per_group, 8)
-    return min(_pow2(K), 64), per_split, 8, 3 if _pow2(P) <= 128 else 2
+    return min(_pow2(K), 64), per_split, 8 if dtype == "float32" else 4, 3 if _pow2(P) <= 128 else 2
 
 
-def _state_dbdc_config(K, P, N, heads_per_group):
+def _state_dbdc_config(K, P, N, heads_per_group, dtype):
     if TUNING["state_dbdc"] is not None:
         return TUNING["state_dbdc"]
-    return min(_pow2(K), 64), min(_pow2(N), 128), min(_pow2(P), 64), min(heads_per_group, 32), 8, 3
+    if dtype == "float32":  # tf32x3 products: 64-token blocks
+        return min(_pow2(K), 64), min(_pow2(N), 128), min(_pow2(P), 64), min(heads_per_group, 32), 8, 3
+    # H200, benchmark shape (bf16): 128-token blocks 2 deep, whole backward 2.32 ms instead of 2.44 with 64 x 3
+    return min(_pow2(K), 128), min(_pow2(N), 128), min(_pow2(P), 64), min(heads_per_group, 32), 8, 2
 
 
 def _dstates_config(K, P, N):
@@ -669,9 +663,11 @@ def ssd_chunked_bwd(dout, x, dt, A, B, C, dt_out, dA_cumsum, states, CB, dx, ddt
                            ("CB", CB, (batch, nchunks, ngroups, K, K))):
         _check(name, t, shape)
     for name, t in (("dA", dA), ("dB", dB), ("dC", dC), ("dt_out", dt_out), ("dA_cumsum", dA_cumsum),
-                    ("states", states), ("CB", CB)):
+                    ("CB", CB)):
         if T.dtype_name(t) != "float32":
             raise TypeError(f"{name}: expected float32, got {T.dtype_name(t)}")
+    if T.dtype_name(states) not in ("float32", T.dtype_name(x)):
+        raise TypeError(f"states: expected float32 or x's dtype {T.dtype_name(x)}, got {T.dtype_name(states)}")
     if (z is None) != (dz is None) or (z is None) != (out_x is None):
         raise ValueError("z, dz, out_x: give all three or none")
     _check("z", z, xs, optional=True)
@@ -695,7 +691,7 @@ def ssd_chunked_bwd(dout, x, dt, A, B, C, dt_out, dA_cumsum, states, CB, dx, ddt
     if workspace is None:
         raise ValueError("workspace: expected the dict of tensors described by workspace_shapes(...), got None")
     for name, (shape, dtype) in workspace_shapes(batch, seqlen, nheads, headdim, dstate, K, z is not None,
-                                                 T.dtype_name(dout)).items():
+                                                 T.dtype_name(dout), T.dtype_name(states)).items():
         _check(f"workspace[{name!r}]", workspace.get(name), shape, (dtype,))
     if batch == 0 or seqlen == 0 or nheads == 0 or headdim == 0 or dstate == 0:
         return
@@ -723,7 +719,8 @@ def ssd_chunked_bwd(dout, x, dt, A, B, C, dt_out, dA_cumsum, states, CB, dx, ddt
                                    HAS_SEQ=has_seq, ZERO_DIRECT=split_p, BLOCK_K=BK, num_warps=4)
 
     dSn = workspace["dstates_next"]
-    # states in x's dtype for the chunk-state dC product (written by the passing stage), unless fp32
+    # fp32 states: copied to x's dtype for the chunk-state dC product by the passing stage (unless
+    # TUNING says not); states already in x's dtype (``ssd.states_dtype``) serve as they are
     s_lp = TUNING["states_lp"] is not False and "states_lp" in workspace
     S_lp = workspace["states_lp"] if s_lp else None
     fused_config = _fused_passing_config(batch, nheads, K, P, N)
@@ -762,7 +759,7 @@ def ssd_chunked_bwd(dout, x, dt, A, B, C, dt_out, dA_cumsum, states, CB, dx, ddt
         DOT_PRECISION=precision,
         num_warps=warps, num_stages=stages)
 
-    blk, per_split, warps, stages = _dcb_config(K, P, heads_per_group, batch * nchunks)
+    blk, per_split, warps, stages = _dcb_config(K, P, heads_per_group, batch * nchunks, T.dtype_name(x))
     per_split = min(per_split, heads_per_group)
     n_splits = -(-heads_per_group // per_split)
     nblk = triton.cdiv(K, blk)
@@ -772,7 +769,7 @@ def ssd_chunked_bwd(dout, x, dt, A, B, C, dt_out, dA_cumsum, states, CB, dx, ddt
         HAS_SEQ=has_seq, BLOCK=blk, BLOCK_P=BP, BLOCK_N=BN, DOT_PRECISION=precision,
         num_warps=warps, num_stages=stages)
 
-    bm, bn, slice_p, per_split, warps, stages = _state_dbdc_config(K, P, N, heads_per_group)
+    bm, bn, slice_p, per_split, warps, stages = _state_dbdc_config(K, P, N, heads_per_group, T.dtype_name(x))
     per_split = min(per_split, heads_per_group)
     n_splits = -(-heads_per_group // per_split)
     _chunk_state_dbdc_kernel[(batch * nchunks, triton.cdiv(K, bm) * triton.cdiv(N, bn) * 2, ngroups * n_splits)](
@@ -806,14 +803,16 @@ def _launch_with(tuning, *args, **kwargs):
 
 def compile_cases():
     """Compile-only cases: every dtype on the benchmark shape (chunk 256, headdim 128, dstate 128) with
-    all options, the same through the launch paths the defaults do not take there, and an odd small
-    shape (chunk 16, headdim 24, dstate 40, 2 groups) without options."""
+    all options and the states in x's dtype (as the forward leaves them there), the same with fp32
+    states through the launch paths the defaults do not take there, and an odd small shape (chunk 16,
+    headdim 24, dstate 40, 2 groups) without options."""
     other_paths = dict(fused_passing=False, states_lp=False, dx=(64, 32, 128, 64, 4, 3, False, True))
-    cases = (("bench", 2, 512, 64, 128, 1, 128, 256, True, {}), ("bench_other_paths", 2, 512, 64, 128, 1, 128, 256,
-                                                                  True, other_paths),
-             ("odd", 1, 37, 4, 24, 2, 40, 16, False, {}))
+    # (label, batch, seqlen, nheads, headdim, ngroups, dstate, chunk, all options, states in x's dtype, TUNING)
+    cases = (("bench", 2, 512, 64, 128, 1, 128, 256, True, True, {}),
+             ("bench_other_paths", 2, 512, 64, 128, 1, 128, 256, True, False, other_paths),
+             ("odd", 1, 37, 4, 24, 2, 40, 16, False, False, {}))
     for dtype in T.FLOAT_DTYPES:
-        for label, batch, seqlen, nheads, P, ngroups, N, K, full, tuning in cases:
+        for label, batch, seqlen, nheads, P, ngroups, N, K, full, lp_states, tuning in cases:
             nchunks = -(-seqlen // K)
 
             def spec(shape, dt=dtype):
@@ -824,11 +823,13 @@ def compile_cases():
             f32 = "float32"
             args = [spec(xs), spec(xs), spec(xs[:3]), spec((nheads,), f32), spec(bs), spec(bs),
                     spec((batch, nheads, nchunks, K), f32), spec((batch, nheads, nchunks, K), f32),
-                    spec((batch, nchunks, nheads, P, N), f32), spec((batch, nchunks, ngroups, K, K), f32),
+                    spec((batch, nchunks, nheads, P, N), dtype if lp_states else f32),
+                    spec((batch, nchunks, ngroups, K, K), f32),
                     spec(xs), spec(xs[:3]), spec((nheads,), f32), spec(bs, f32), spec(bs, f32)]
             with _tuned(tuning):
                 ws = {name: spec(shape, dt) for name, (shape, dt) in
-                      workspace_shapes(batch, seqlen, nheads, P, N, K, full, dtype).items()}
+                      workspace_shapes(batch, seqlen, nheads, P, N, K, full, dtype,
+                                       dtype if lp_states else f32).items()}
             opts = {}
             if full:
                 opts = dict(D=spec((nheads, P), f32), dD=spec((nheads, P), f32), z=spec(xs), dz=spec(xs),
