@@ -83,17 +83,18 @@ def _measure(provider, batch, seqlen, with_torch=True, sweep=False):
     D, dt_bias = provider.randn((NHEADS,), "float32"), provider.randn((NHEADS,), "float32", scale=0.3)
     dout = provider.randn(xs, dtype)
     shapes = K.buffer_shapes(batch, seqlen, NHEADS, HEADDIM, NGROUPS, DSTATE, CHUNK)
-    buf = {k: provider.empty(v, "float32") for k, v in shapes.items()}
+    dtypes = {k: K.states_dtype(dtype, batch, NHEADS) if k == "states" else "float32" for k in shapes}
+    buf = {k: provider.empty(v, dtypes[k]) for k, v in shapes.items()}
     out = provider.empty(xs, dtype)
     opts = dict(chunk_size=CHUNK, D=D, dt_bias=dt_bias, dt_softplus=True)
-    work_shapes = KB.workspace_shapes(batch, seqlen, NHEADS, HEADDIM, DSTATE, CHUNK, False, dtype)
+    work_shapes = KB.workspace_shapes(batch, seqlen, NHEADS, HEADDIM, DSTATE, CHUNK, False, dtype, dtypes["states"])
     work = {k: provider.empty(s, d) for k, (s, d) in work_shapes.items()}
     dx, ddt = provider.empty(xs, dtype), provider.empty(dt.shape, dtype)
     acc = {"dA": provider.zeros((NHEADS,)), "dB": provider.zeros(bs), "dC": provider.zeros(bs),
            "dD": provider.zeros((NHEADS,)), "ddt_bias": provider.zeros((NHEADS,))}
 
-    def fwd(config=None):
-        K.ssd_chunked_fwd(x, dt, A, B, C, out, buf["dt_out"], buf["dA_cumsum"], buf["states"], buf["CB"],
+    def fwd(config=None, states=buf["states"]):
+        K.ssd_chunked_fwd(x, dt, A, B, C, out, buf["dt_out"], buf["dA_cumsum"], states, buf["CB"],
                           buf["final_states"], config=config, **opts)
 
     def bwd():
@@ -109,7 +110,7 @@ def _measure(provider, batch, seqlen, with_torch=True, sweep=False):
 
     def fwdbwd_alloc():  # what the op allocates around the launchers
         o = provider.empty(xs, dtype)
-        bb = {k: provider.empty(v, "float32") for k, v in shapes.items()}
+        bb = {k: provider.empty(v, dtypes[k]) for k, v in shapes.items()}
         K.ssd_chunked_fwd(x, dt, A, B, C, o, bb["dt_out"], bb["dA_cumsum"], bb["states"], bb["CB"],
                           bb["final_states"], **opts)
         w = {k: provider.empty(s, d) for k, (s, d) in work_shapes.items()}
@@ -158,17 +159,29 @@ def _measure(provider, batch, seqlen, with_torch=True, sweep=False):
             row["speedup_vs_torch"] = {k: rows[1][k] / row[k] for k in ("fwd_ms", "fwdbwd_ms")}
     print(f"ssd batch={batch} seqlen={seqlen}:", rows, flush=True)
     configs = []
-    if sweep:
-        base = K.DEFAULT_CONFIG._replace(fuse_state_passing=True)
-        variants = [base._replace(fuse_state_passing=False)]  # stages 3 and 4 apart
+    if sweep:  # fixed tiles (SSDConfig) for stages 3+4 and 5, one field group changed at a time
+        base = K.DEFAULT_CONFIG._replace(fuse_state_passing=True, recompute_cb=True, scan_m_loop=False)
+        variants = [base._replace(fuse_state_passing=False)]  # stages 3 and 4 apart (fp32 states)
         variants += [base._replace(fused_block_p=bp, fused_block_n=bn, fused_block_k=bk, fused_warps=w, fused_stages=s)
-                     for bp, bn, bk, w, s in ((128, 128, 64, 8, 2), (64, 128, 64, 4, 3), (64, 64, 256, 4, 2))]
-        variants += [base._replace(scan_block_k=32, scan_stages=3), base._replace(recompute_cb=True),
-                     base._replace(scan_m_loop=False, recompute_cb=True), base._replace(split_scores=False),
-                     base._replace(scan_heads_first=False)]
+                     for bp, bn, bk, w, s in ((128, 128, 128, 8, 2), (128, 128, 64, 8, 3), (128, 128, 256, 8, 1),
+                                              (64, 128, 128, 4, 2), (64, 128, 256, 4, 2), (128, 64, 128, 4, 2))]
+        variants += [base._replace(scan_block_m=bm, scan_block_p=bp, scan_block_k=bk, scan_warps=w, scan_stages=s,
+                                   recompute_cb=rc, scan_m_loop=ml)
+                     for bm, bp, bk, w, s, rc, ml in (
+                         (64, 128, 32, 4, 3, True, False), (64, 128, 64, 4, 3, True, False),
+                         (64, 128, 128, 4, 2, True, False), (64, 128, 64, 8, 2, True, False),
+                         (64, 64, 64, 4, 2, True, False), (128, 128, 64, 8, 2, True, False),
+                         (128, 128, 32, 8, 3, True, False), (128, 128, 64, 8, 3, True, False),
+                         (128, 128, 128, 8, 2, True, False), (128, 64, 64, 4, 2, True, False),
+                         (64, 128, 64, 4, 2, False, True), (64, 128, 32, 4, 3, False, True),
+                         (128, 128, 64, 8, 2, False, True), (64, 128, 64, 4, 2, False, False),
+                         (128, 128, 64, 8, 2, False, False))]
+        variants += [base._replace(split_scores=True), base._replace(scan_heads_first=False)]
+        states32 = provider.empty(shapes["states"], "float32")
         for cfg in [base] + variants:
+            states = buf["states"] if K.states_dtype(dtype, batch, NHEADS, cfg) == dtypes["states"] else states32
             try:
-                ms = bench_ms(lambda: fwd(cfg), 10, 60)
+                ms = bench_ms(lambda: fwd(cfg, states), 10, 60)
             except Exception as exc:  # a config over the shared-memory limit: report it, keep sweeping
                 ms = f"failed: {type(exc).__name__}: {str(exc)[:120]}"
             configs.append({"config": dict(cfg._asdict()), "fwd_ms": ms})
@@ -187,5 +200,6 @@ def run(provider, quick: bool = False, sweep: bool = False) -> dict:
             "peers": {"mamba_ssm triton mamba_chunk_scan_combined": {"fwd_ms": 0.854, "fwdbwd_ms": 3.993}},
             "seqlen_32768": {"shape": {"batch": 1, "seqlen": 8192 if quick else 32768}, "rows": long_rows},
             "sweep": configs, "autotuned": K.tuned_configs(),
-            "memory_GiB": {"states": 4 * math.prod(K.buffer_shapes(batch, seqlen, NHEADS, HEADDIM, NGROUPS, DSTATE,
-                                                                     CHUNK)["states"]) / GiB}}
+            "states_dtype": K.states_dtype("bfloat16", batch, NHEADS),
+            "memory_GiB": {"states": (2 if K.states_dtype("bfloat16", batch, NHEADS) == "bfloat16" else 4) * math.prod(
+                K.buffer_shapes(batch, seqlen, NHEADS, HEADDIM, NGROUPS, DSTATE, CHUNK)["states"]) / GiB}}
