@@ -6,7 +6,7 @@ import pytest
 
 from paddlenlp_fused.kernels.cuda import fused_dense as lt
 from paddlenlp_fused.kernels.triton import fused_dense as tr
-from paddlenlp_fused.testing.numerics import UNIT_ROUNDOFF, assert_close
+from paddlenlp_fused.testing.numerics import UNIT_ROUNDOFF, assert_close, bound_for
 
 DTYPES = ("bfloat16", "float16", "float32")
 # (M, K, N): each axis of size 1 somewhere, odd and aligned widths. No single-element output: its
@@ -56,25 +56,38 @@ def _round(a, dtype):
     return bits.astype(np.uint32).view(np.float32).astype(np.float64)
 
 
-def _plain_rel(a, ref):
-    return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-300))
+def _plain_rel(a, ref, scale=None):
+    """Relative error of ``a``; against the norm of ``scale`` when given (the magnitudes of a sum's
+    terms, for outputs where the sum may cancel)."""
+    return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref if scale is None else scale), 1e-300))
 
 
-def _plain_baseline(pre, act, bias, dtype, ref):
+def _plain_baseline(pre, act, bias, dtype, ref, scale=None):
     """Error of the plain composition in ``dtype`` (matmul rounded, bias added and rounded,
     activation rounded): the bound's baseline for an output with a bias."""
     if dtype == "float32":
         return None
     h = _round(_round(pre - bias, dtype) + bias, dtype)
-    return _plain_rel(_round(act(h), dtype), ref)
+    return _plain_rel(_round(act(h), dtype), ref, scale)
 
 
-def _check(name, out, ref, dtype, baseline=None, gelu=False):
+def _bias_terms(pre, bias):
+    """|x w| + |b|: with a bias the output is a two-term sum, which cancels where x w ~ -b (then even the
+    plain composition in bf16 misses DESIGN's 1e-2 cap, e.g. 1.5e-2 on 37 rows x 1 column); its error
+    is measured against the terms' magnitudes, as DESIGN says for sums."""
+    return np.abs(pre - bias) + np.abs(bias)
+
+
+def _check(name, out, ref, dtype, baseline=None, gelu=False, scale=None):
     if gelu and dtype == "float32":
-        err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+        err = _plain_rel(out, ref, scale)
         assert err <= LT_GELU_FP32_BOUND, f"{name} (float32, cuBLASLt GELU): relative error {err:.3e}"
         return
-    assert_close(name, out, ref, dtype, baseline_err=baseline)
+    if scale is None:
+        assert_close(name, out, ref, dtype, baseline_err=baseline)
+        return
+    err, bound = _plain_rel(out, ref, scale), bound_for(dtype, baseline)
+    assert err <= bound, f"{name} ({dtype}): error / |terms| {err:.3e} exceeds bound {bound:.3e}"
 
 
 def _aux(provider, activation, M, N, dtype):
@@ -97,11 +110,12 @@ def test_cuda_forward_epilogues(provider, ws, shape, dtype, activation, with_bia
     bias = provider.to_numpy(b) if with_bias else 0.0
     pre = provider.to_numpy(x) @ provider.to_numpy(w) + bias
     act = ACT64[activation][0]
-    baseline = _plain_baseline(pre, act, bias, dtype, act(pre)) if with_bias else None
-    _check("out", provider.to_numpy(out), act(pre), dtype, baseline, gelu=activation == "gelu_approx")
+    terms = _bias_terms(pre, bias) if with_bias else None
+    baseline = _plain_baseline(pre, act, bias, dtype, act(pre), terms) if with_bias else None
+    _check("out", provider.to_numpy(out), act(pre), dtype, baseline, gelu=activation == "gelu_approx", scale=terms)
     if with_aux and activation == "gelu_approx":
-        assert_close("aux (pre-activation)", provider.to_numpy(aux)[:, :N], pre, dtype,
-                     baseline_err=_plain_baseline(pre, lambda h: h, bias, dtype, pre))
+        _check("aux (pre-activation)", provider.to_numpy(aux)[:, :N], pre, dtype,
+               _plain_baseline(pre, lambda h: h, bias, dtype, pre, terms), scale=terms)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -166,9 +180,12 @@ def test_cuda_activation_backward_epilogue(provider, ws, shape, dtype, activatio
     gelu = activation == "gelu_approx"
     _check("dpre", got, ref, dtype, gelu=gelu)
     if with_dbias:
+        # a column sum over the rows, which may cancel (one column of 37 rows drew 10x its norm): measured
+        # against the sum of its terms' magnitudes
+        terms = np.abs(ref).sum(0)
         dpre_rounded = _round(ref, dtype)  # the plain composition sums the rounded dpre
-        baseline = _plain_rel(_round(dpre_rounded.sum(0), dtype), ref.sum(0)) if dtype != "float32" else None
-        _check("dbias1", provider.to_numpy(db), ref.sum(0), dtype, baseline, gelu=gelu)
+        baseline = _plain_rel(_round(dpre_rounded.sum(0), dtype), ref.sum(0), terms) if dtype != "float32" else None
+        _check("dbias1", provider.to_numpy(db), ref.sum(0), dtype, baseline, gelu=gelu, scale=terms)
 
 
 @pytest.mark.parametrize("heuristic", range(8))
