@@ -193,6 +193,7 @@ def run(provider, quick: bool = False, sweep: bool = False) -> dict:
     batch, seqlen = (1, 1024) if quick else (4, 4096)
     rows, configs = _measure(provider, batch, seqlen, sweep=sweep and not quick)
     long_rows, _ = _measure(provider, 1, 8192 if quick else 32768, with_torch=not quick)
+    states_dtype = K.states_dtype("bfloat16", batch, NHEADS)
     return {"shape": {"batch": batch, "seqlen": seqlen, "nheads": NHEADS, "headdim": HEADDIM, "dstate": DSTATE,
                       "ngroups": NGROUPS, "chunk_size": CHUNK, "dtype": "bfloat16", "D": True, "dt_bias": True,
                       "dt_softplus": True},
@@ -200,6 +201,6 @@ def run(provider, quick: bool = False, sweep: bool = False) -> dict:
             "peers": {"mamba_ssm triton mamba_chunk_scan_combined": {"fwd_ms": 0.854, "fwdbwd_ms": 3.993}},
             "seqlen_32768": {"shape": {"batch": 1, "seqlen": 8192 if quick else 32768}, "rows": long_rows},
             "sweep": configs, "autotuned": K.tuned_configs(),
-            "states_dtype": K.states_dtype("bfloat16", batch, NHEADS),
-            "memory_GiB": {"states": (2 if K.states_dtype("bfloat16", batch, NHEADS) == "bfloat16" else 4) * math.prod(
+            "states_dtype": states_dtype,
+            "memory_GiB": {"states": (2 if states_dtype == "bfloat16" else 4) * math.prod(
                 K.buffer_shapes(batch, seqlen, NHEADS, HEADDIM, NGROUPS, DSTATE, CHUNK)["states"]) / GiB}}

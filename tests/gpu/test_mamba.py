@@ -7,74 +7,10 @@ import pytest
 
 from paddlenlp_fused.kernels.cuda import selective_scan as cuda_scan
 from paddlenlp_fused.kernels.triton import selective_scan as scan_kernels
-from paddlenlp_fused.testing.numerics import assert_close, dsilu, silu
+from paddlenlp_fused.testing.numerics import assert_close
+from paddlenlp_fused.testing.scan_reference import selective_scan_reference
 
 DTYPES = ("float32", "float16", "bfloat16")
-
-
-# ----------------------------------------------------------------------------------------------
-# float64 references
-
-
-def _bc_per_dim(M, dim):
-    """B or C as a function t -> [batch or 1, dim, dstate], and how to fold a per-dim gradient
-    [batch, dim, dstate, seqlen] back to M's shape."""
-    if M.ndim == 2:
-        return (lambda t: M[None]), (lambda g: g.sum(axis=(0, 3)))
-    groups = 1 if M.ndim == 3 else M.shape[1]
-    M4 = M[:, None] if M.ndim == 3 else M
-    index = np.arange(dim) // (dim // groups)
-
-    def fold(g):
-        out = np.zeros(M4.shape)
-        np.add.at(out, (slice(None), index), g)
-        return out[:, 0] if M.ndim == 3 else out
-    return (lambda t: M4[..., t][:, index]), fold
-
-
-def scan_reference(u, delta, A, B, C, D=None, z=None, delta_bias=None, softplus=False, dout=None):
-    """(out, last state) and, with dout, the gradients (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias)."""
-    batch, dim, seqlen = u.shape
-    raw = delta + (delta_bias[:, None] if delta_bias is not None else 0)
-    dt = np.where(raw > 20, raw, np.log1p(np.exp(np.minimum(raw, 20)))) if softplus else raw
-    B_at, fold_B = _bc_per_dim(B, dim)
-    C_at, fold_C = _bc_per_dim(C, dim)
-    hs = np.zeros((seqlen, batch, dim, A.shape[1]))
-    h = np.zeros((batch, dim, A.shape[1]))
-    y = np.zeros((batch, dim, seqlen))
-    for t in range(seqlen):
-        h = np.exp(dt[:, :, t, None] * A) * h + (dt[:, :, t] * u[:, :, t])[:, :, None] * B_at(t)
-        hs[t] = h
-        y[:, :, t] = (h * C_at(t)).sum(-1)
-    if D is not None:
-        y = y + D[:, None] * u
-    out = y * silu(z) if z is not None else y
-    if dout is None:
-        return out, h
-    dy = dout * silu(z) if z is not None else dout
-    dz = dout * y * dsilu(z) if z is not None else None
-    du = dy * D[:, None] if D is not None else np.zeros_like(u)
-    ddt = np.zeros_like(u)
-    dA = np.zeros_like(A)
-    dB_full = np.zeros((batch, dim, A.shape[1], seqlen))
-    dC_full = np.zeros_like(dB_full)
-    g = np.zeros_like(h)
-    for t in reversed(range(seqlen)):
-        if t + 1 < seqlen:
-            g = g * np.exp(dt[:, :, t + 1, None] * A)
-        g = g + C_at(t) * dy[:, :, t, None]
-        decayed_prev = np.exp(dt[:, :, t, None] * A) * (hs[t - 1] if t > 0 else 0)
-        du[:, :, t] += (g * dt[:, :, t, None] * B_at(t)).sum(-1)
-        ddt[:, :, t] = (g * (B_at(t) * u[:, :, t, None] + A * decayed_prev)).sum(-1)
-        dA += (g * dt[:, :, t, None] * decayed_prev).sum(0)
-        dB_full[..., t] = g * (dt[:, :, t] * u[:, :, t])[:, :, None]
-        dC_full[..., t] = hs[t] * dy[:, :, t, None]
-    ddelta = ddt * (1 / (1 + np.exp(-raw))) * (raw <= 20) + ddt * (raw > 20) if softplus else ddt
-    grads = dict(du=du, ddelta=ddelta, dA=dA, dB=fold_B(dB_full), dC=fold_C(dC_full))
-    grads["dD"] = (dy * u).sum(axis=(0, 2)) if D is not None else None
-    grads["dz"] = dz
-    grads["ddelta_bias"] = ddelta.sum(axis=(0, 2)) if delta_bias is not None else None
-    return out, h, grads
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,7 +79,7 @@ def _run_scan(provider, backend, t, softplus, dout, plan=None, fwd_options=None,
 
 def _check_scan(provider, t, softplus, dout, out, last, out_z, grads, dtype):
     np_t = {k: None if v is None else provider.to_numpy(v) for k, v in t.items()}
-    ref_out, ref_last, ref_grads = scan_reference(**np_t, softplus=softplus, dout=provider.to_numpy(dout))
+    ref_out, ref_last, ref_grads, _ = selective_scan_reference(**np_t, softplus=softplus, dout=provider.to_numpy(dout))
     assert_close("out", provider.to_numpy(out), ref_out, dtype)
     assert_close("last_state", provider.to_numpy(last), ref_last, "float32" if dtype == "float32" else dtype)
     if out_z is not None:
@@ -218,7 +154,7 @@ def test_scan_seqlen_32768(provider):
     t = _scan_tensors(provider, batch, dim, seqlen, dstate, "variable", True, "bfloat16")
     dout = provider.randn((batch, dim, seqlen), "bfloat16")
     np_t = {k: None if v is None else provider.to_numpy(v) for k, v in t.items()}
-    ref_out, ref_last, ref_grads = scan_reference(**np_t, softplus=True, dout=provider.to_numpy(dout))
+    ref_out, ref_last, ref_grads, _ = selective_scan_reference(**np_t, softplus=True, dout=provider.to_numpy(dout))
 
     def check(out, last, grads):
         assert_close("out", provider.to_numpy(out), ref_out, "bfloat16")
@@ -239,7 +175,8 @@ def test_scan_past_2_31_elements(provider):
     sub = {k: provider.to_numpy(t[k][1:, rows]) for k in ("u", "delta", "z")}  # slice on the device first
     sub.update({k: provider.to_numpy(t[k][rows]) for k in ("A", "D", "delta_bias")})
     sub.update({k: provider.to_numpy(t[k][1:]) for k in ("B", "C")})
-    ref_out, ref_last, ref_grads = scan_reference(**sub, softplus=True, dout=provider.to_numpy(dout[1:, rows]))
+    ref_out, ref_last, ref_grads, _ = selective_scan_reference(**sub, softplus=True,
+                                                               dout=provider.to_numpy(dout[1:, rows]))
 
     def check(out, last, grads):
         assert_close("out tail", provider.to_numpy(out[1:, rows]), ref_out, "bfloat16")

@@ -13,97 +13,10 @@ import numpy as np
 import pytest
 
 from paddlenlp_fused.kernels.cuda import selective_scan as cuda_scan
-from paddlenlp_fused.testing.numerics import assert_close, bound_for, dsilu, rel_err, silu
+from paddlenlp_fused.testing.numerics import assert_close, bound_for, rel_err
+from paddlenlp_fused.testing.scan_reference import selective_scan_reference
 
 DTYPES = ("float32", "float16", "bfloat16")
-
-
-# ----------------------------------------------------------------------------------------------
-# float64 reference
-
-
-def _pairs_to_complex(P):
-    return P[..., 0::2] + 1j * P[..., 1::2]
-
-
-def _complex_to_pairs(M):
-    P = np.empty(M.shape[:-1] + (2 * M.shape[-1],))
-    P[..., 0::2], P[..., 1::2] = M.real, M.imag
-    return P
-
-
-def _bc_per_dim(M, dim):
-    """B or C (complex [d, n], or real pairs [b, (g,) n, 2 l]) as a function t -> complex
-    [batch or 1, dim, dstate], and how to fold a per-dim gradient [batch, dim, dstate, seqlen] back to
-    M's shape and kind (complex, or (re, im) pairs)."""
-    if M.ndim == 2:
-        return (lambda t: M[None]), (lambda g: g.sum(axis=(0, 3)))
-    Mc = _pairs_to_complex(M)
-    groups = 1 if M.ndim == 3 else M.shape[1]
-    M4 = Mc[:, None] if M.ndim == 3 else Mc
-    index = np.arange(dim) // (dim // groups)
-
-    def fold(g):
-        out = np.zeros(M4.shape, complex)
-        np.add.at(out, (slice(None), index), g)
-        return _complex_to_pairs(out[:, 0] if M.ndim == 3 else out)
-    return (lambda t: M4[..., t][:, index]), fold
-
-
-def complex_scan_reference(u, delta, A, B, C, D=None, z=None, delta_bias=None, softplus=False, dout=None):
-    """(out, last state) and, with dout, also the gradients (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias)
-    and, for those that sum one term per token (dA, fixed dB/dC, dD, ddelta_bias), the sum of their
-    terms' magnitudes. h_t = exp(dt_t A) h_{t-1} + dt_t u_t B_t; the adjoint g_t = dL/dh_t =
-    2 dy_t conj(C_t) + conj(exp(dt_{t+1} A)) g_{t+1}; a real input x gets Re(conj(g_t) dh_t/dx)."""
-    batch, dim, seqlen = u.shape
-    raw = delta + (delta_bias[:, None] if delta_bias is not None else 0)
-    dt = np.where(raw > 20, raw, np.log1p(np.exp(np.minimum(raw, 20)))) if softplus else raw
-    B_at, fold_B = _bc_per_dim(B, dim)
-    C_at, fold_C = _bc_per_dim(C, dim)
-    dstate = A.shape[1]
-    hs = np.zeros((seqlen, batch, dim, dstate), complex)
-    h = np.zeros((batch, dim, dstate), complex)
-    y = np.zeros((batch, dim, seqlen))
-    for t in range(seqlen):
-        h = np.exp(dt[:, :, t, None] * A) * h + (dt[:, :, t] * u[:, :, t])[:, :, None] * B_at(t)
-        hs[t] = h
-        y[:, :, t] = 2 * (h * C_at(t)).sum(-1).real
-    if D is not None:
-        y = y + D[:, None] * u
-    out = y * silu(z) if z is not None else y
-    if dout is None:
-        return out, h
-    dy = dout * silu(z) if z is not None else dout
-    dz = dout * y * dsilu(z) if z is not None else None
-    du = dy * D[:, None] if D is not None else np.zeros_like(u)
-    ddt = np.zeros_like(u)
-    dA = np.zeros_like(A)
-    dA_terms = np.zeros(A.shape)
-    dB_full = np.zeros((batch, dim, dstate, seqlen), complex)
-    dC_full = np.zeros_like(dB_full)
-    g = np.zeros_like(h)
-    for t in reversed(range(seqlen)):
-        if t + 1 < seqlen:
-            g = g * np.conj(np.exp(dt[:, :, t + 1, None] * A))
-        g = g + 2 * dy[:, :, t, None] * np.conj(C_at(t))
-        decayed_prev = np.exp(dt[:, :, t, None] * A) * (hs[t - 1] if t > 0 else 0)
-        du[:, :, t] += dt[:, :, t] * (np.conj(g) * B_at(t)).real.sum(-1)
-        ddt[:, :, t] = (np.conj(g) * (B_at(t) * u[:, :, t, None] + A * decayed_prev)).real.sum(-1)
-        dA_term = dt[:, :, t, None] * g * np.conj(decayed_prev)
-        dA += dA_term.sum(0)
-        dA_terms += np.abs(dA_term).sum(0)
-        dB_full[..., t] = g * (dt[:, :, t] * u[:, :, t])[:, :, None]
-        dC_full[..., t] = 2 * dy[:, :, t, None] * np.conj(hs[t])
-    ddelta = ddt * (1 / (1 + np.exp(-raw))) * (raw <= 20) + ddt * (raw > 20) if softplus else ddt
-    grads = dict(du=du, ddelta=ddelta, dA=dA, dB=fold_B(dB_full), dC=fold_C(dC_full))
-    grads["dD"] = (dy * u).sum(axis=(0, 2)) if D is not None else None
-    grads["dz"] = dz
-    grads["ddelta_bias"] = ddelta.sum(axis=(0, 2)) if delta_bias is not None else None
-    term_sums = dict(dA=dA_terms, dD=np.abs(dy * u).sum(axis=(0, 2)), ddelta_bias=np.abs(ddelta).sum(axis=(0, 2)))
-    for name, M, full in (("dB", B, dB_full), ("dC", C, dC_full)):
-        if M.ndim == 2:
-            term_sums[name] = np.abs(full).sum(axis=(0, 3))
-    return out, h, grads, term_sums
 
 
 def _numpy_case(batch, dim, seqlen, dstate, kind, options, rng):
@@ -140,10 +53,10 @@ def test_reference_adjoint_matches_central_differences():
     for kind in ("variable", "fixed", "grouped3"):
         t = _numpy_case(2, 3, 5, 2, kind, True, rng)
         dout = rng.standard_normal((2, 3, 5))
-        _, _, grads, _ = complex_scan_reference(**t, softplus=True, dout=dout)
+        _, _, grads, _ = selective_scan_reference(**t, softplus=True, dout=dout)
 
         def loss(**changed):
-            out, _ = complex_scan_reference(**dict(t, **changed), softplus=True)
+            out, _ = selective_scan_reference(**dict(t, **changed), softplus=True)
             return float((out * dout).sum())
 
         eps = 1e-6
@@ -255,7 +168,7 @@ def _check_sum(name, got, want, term_sum, dtype):
 
 def check_complex_scan(provider, ref_in, softplus, dout, results, dtype):
     out, last, out_z, grads = results
-    ref_out, ref_last, ref_grads, term_sums = complex_scan_reference(**ref_in, softplus=softplus,
+    ref_out, ref_last, ref_grads, term_sums = selective_scan_reference(**ref_in, softplus=softplus,
                                                                      dout=provider.to_numpy(dout))
     assert_close("out", provider.to_numpy(out), ref_out, dtype)
     assert_close("last_state", _pairs(_to_numpy(provider, last)), _pairs(ref_last), dtype)

@@ -217,6 +217,21 @@ def _chunk_states(h, u_raw, delta_raw, B_raw, mask, steps, A2, bias, HAS_DELTA_B
 
 
 @triton.jit
+def _program_tiles(dim, dstate, dim_per_group, R: tl.constexpr, L: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CHUNK: tl.constexpr):
+    """This program's channels d [R, L] (and 64-bit), their mask, the dstate index n and its mask, the
+    chunk's steps, the channels' group (the launcher keeps a block inside one group) and the mask of
+    the state tiles [R, BLOCK_N, L]."""
+    pid_d = tl.program_id(0)
+    d = pid_d * (R * L) + tl.arange(0, R)[:, None] * L + tl.arange(0, L)[None, :]
+    mask_d = d < dim
+    n = tl.arange(0, BLOCK_N)
+    mask_n = n < dstate
+    mask_nd = mask_n[None, :, None] & mask_d[:, None, :]
+    return d, d.to(tl.int64), mask_d, n, mask_n, tl.arange(0, CHUNK), (pid_d * (R * L)) // dim_per_group, mask_nd
+
+
+@triton.jit
 def _selective_scan_fwd_kernel(
         u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, delta_bias_ptr, out_ptr, states_ptr, last_ptr,
         dim, seqlen, dstate, dim_per_group, num_chunks, seg_chunks,
@@ -227,16 +242,9 @@ def _selective_scan_fwd_kernel(
         B_VARIABLE: tl.constexpr, C_VARIABLE: tl.constexpr, STORE_STATES: tl.constexpr,
         STORE_LAST: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
         BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
-    pid_d = tl.program_id(0)
     b64 = tl.program_id(1).to(tl.int64)
-    d = pid_d * (R * L) + tl.arange(0, R)[:, None] * L + tl.arange(0, L)[None, :]  # [R, L]
-    d64 = d.to(tl.int64)
-    mask_d = d < dim
-    n = tl.arange(0, BLOCK_N)
-    mask_n = n < dstate
-    steps = tl.arange(0, CHUNK)
-    group = (pid_d * (R * L)) // dim_per_group  # the launcher keeps a block inside one group
-    mask_nd = mask_n[None, :, None] & mask_d[:, None, :]  # state tiles [R, BLOCK_N, L]
+    d, d64, mask_d, n, mask_n, steps, group, mask_nd = _program_tiles(dim, dstate, dim_per_group, R, L, BLOCK_N,
+                                                                      CHUNK)
 
     A2 = tl.load(A_ptr + n[None, :, None] * s_A_n + d64[:, None, :] * s_A_d, mask=mask_nd, other=0.0).to(tl.float32)
     A2 = A2 * _LOG2E
@@ -298,16 +306,9 @@ def _selective_scan_bwd_kernel(
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DELTA_BIAS: tl.constexpr, DELTA_SOFTPLUS: tl.constexpr,
         B_VARIABLE: tl.constexpr, C_VARIABLE: tl.constexpr, STORE_OUT_Z: tl.constexpr, R: tl.constexpr,
         L: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
-    pid_d = tl.program_id(0)
     b64 = tl.program_id(1).to(tl.int64)
-    d = pid_d * (R * L) + tl.arange(0, R)[:, None] * L + tl.arange(0, L)[None, :]  # [R, L]
-    d64 = d.to(tl.int64)
-    mask_d = d < dim
-    n = tl.arange(0, BLOCK_N)
-    mask_n = n < dstate
-    steps = tl.arange(0, CHUNK)
-    group = (pid_d * (R * L)) // dim_per_group
-    mask_nd = mask_n[None, :, None] & mask_d[:, None, :]  # state tiles [R, BLOCK_N, L]
+    d, d64, mask_d, n, mask_n, steps, group, mask_nd = _program_tiles(dim, dstate, dim_per_group, R, L, BLOCK_N,
+                                                                      CHUNK)
 
     A = tl.load(A_ptr + n[None, :, None] * s_A_n + d64[:, None, :] * s_A_d, mask=mask_nd, other=0.0).to(tl.float32)
     A2 = A * _LOG2E

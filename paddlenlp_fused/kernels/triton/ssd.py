@@ -181,6 +181,21 @@ def _chunk_cb_kernel(C_ptr, B_ptr, CB_ptr, seqlen, nchunks, ngroups, dstate, CHU
 
 
 @triton.jit
+def _add_decayed_xb(acc, x_rows, B_rows, k, kmask, keep, cs_end, cs_k, dt_k, p, pmask, n, nmask, x_stride,
+                    bc_stride, DOT_PRECISION: tl.constexpr):
+    """acc [p, n] + sum over the block's tokens k (rows k of x_rows and B_rows) of exp(cs_end - cs_k) dt_k
+    x_k B_k^T, the tokens not kept weighing 0 (masked before exp: past the end cs_end - cs_k may be
+    positive and overflow). The weight rides on B, rounded to x's dtype for the product."""
+    weight = tl.exp(tl.where(keep, cs_end - cs_k, float("-inf"))) * dt_k
+    xt = tl.load(x_rows + k[None, :] * x_stride + p[:, None], mask=pmask[:, None] & kmask[None, :],
+                 other=0.0)                                                               # [p, k]
+    b = tl.load(B_rows + k[:, None] * bc_stride + n[None, :], mask=kmask[:, None] & nmask[None, :],
+                other=0.0).to(tl.float32)                                                 # [k, n]
+    bw = round_to(b * weight[:, None], xt.dtype)
+    return tl.dot(dot_operand(xt), dot_operand(bw), acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _own_state(x_ptr, B_ptr, dt_out_ptr, cs_ptr, seq_ptr, pid_b, pid_c, pid_h, t_end, p, n, seqlen, nheads, headdim,
                ngroups, dstate, nchunks, CHUNK: tl.constexpr, HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -208,14 +223,8 @@ def _own_state(x_ptr, B_ptr, dt_out_ptr, cs_ptr, seq_ptr, pid_b, pid_c, pid_h, t
         keep = kmask
         if HAS_SEQ:
             keep = keep & (tl.load(seq_row + tok, mask=kmask, other=0) == seg_end)
-        # masked before exp: past t_end cs_end - cs_k may be positive and overflow
-        weight = tl.exp(tl.where(keep, cs_end - cs_k, float("-inf"))) * dt_k
-        xt = tl.load(x_base + k[None, :] * x_stride + p[:, None], mask=pmask[:, None] & kmask[None, :],
-                     other=0.0)                                                           # [p, k]
-        b = tl.load(B_base + k[:, None] * bc_stride + n[None, :], mask=kmask[:, None] & nmask[None, :],
-                    other=0.0).to(tl.float32)                                             # [k, n]
-        bw = round_to(b * weight[:, None], xt.dtype)
-        acc = tl.dot(dot_operand(xt), dot_operand(bw), acc, input_precision=DOT_PRECISION)
+        acc = _add_decayed_xb(acc, x_base, B_base, k, kmask, keep, cs_end, cs_k, dt_k, p, pmask, n, nmask, x_stride,
+                              bc_stride, DOT_PRECISION)
     return acc, cs_end
 
 
@@ -328,15 +337,8 @@ def _fused_state_passing_kernel(x_ptr, B_ptr, dt_out_ptr, cs_ptr, seq_ptr, init_
             seg_prev = tl.load(seq_row + tl.maximum(c * CHUNK - 1, 0))
             h = tl.where(chunk_start & (seg_end != seg_prev), 0.0, h)
             keep = keep & (tl.load(seq_row + k, mask=kmask, other=0) == seg_end)
-        # masked before exp: past the run cs_blockend - cs_k may be positive and overflow
-        weight = tl.exp(tl.where(keep, cs_blockend - cs_k, float("-inf"))) * dt_k
-        xt = tl.load(x_blk + kk[None, :] * x_stride + p[:, None], mask=pmask[:, None] & kmask[None, :],
-                     other=0.0)                                                           # [p, k]
-        b = tl.load(B_blk + kk[:, None] * bc_stride + n[None, :], mask=kmask[:, None] & nmask[None, :],
-                    other=0.0).to(tl.float32)                                             # [k, n]
-        bw = round_to(b * weight[:, None], xt.dtype)
-        h = tl.dot(dot_operand(xt), dot_operand(bw), h * tl.exp(cs_blockend - cs_before),
-                   input_precision=DOT_PRECISION)
+        h = _add_decayed_xb(h * tl.exp(cs_blockend - cs_before), x_blk, B_blk, kk, kmask, keep, cs_blockend, cs_k,
+                            dt_k, p, pmask, n, nmask, x_stride, bc_stride, DOT_PRECISION)
         x_blk += BLOCK_K * x_stride
         B_blk += BLOCK_K * bc_stride
     tl.store(final_ptr + head_state + tile, h, mask=tile_mask)
