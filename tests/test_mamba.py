@@ -6,9 +6,6 @@ recurrences written here independently of the library (sequential scan, ``F.conv
 Shapes are tiny (the interpreter runs the custom-combine scan element by element) but odd: dim 6,
 dstate 3, seqlen 37 crosses chunk (8) and segment boundaries of the scan."""
 
-import importlib.util
-import pathlib
-
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -26,6 +23,7 @@ from paddlenlp_fused.reference.mamba import mamba_inner_ref, selective_scan_ref
 from paddlenlp_fused.runtime.backend import BackendUnavailableError
 from paddlenlp_fused.runtime.triton_paddle import triton_args
 from paddlenlp_fused.testing.numerics import assert_close
+from paddlenlp_fused.testing.scan_reference import selective_scan_reference
 from helpers import as_leaf64, randn, to64
 
 BACKENDS = ("triton", "reference")
@@ -228,16 +226,6 @@ def test_complex_A_cuda_routing_and_launcher_checks():
         cuda_scan.selective_scan_fwd(u, delta, paddle.real(A), B_pairs[..., :seqlen], C, out)
 
 
-def _complex_scan_reference():
-    """The float64 numpy recurrence and hand-written adjoint of tests/gpu/test_selective_scan_complex.py
-    (checked against central differences there)."""
-    path = pathlib.Path(__file__).parent / "gpu" / "test_selective_scan_complex.py"
-    spec = importlib.util.spec_from_file_location("_gpu_complex_scan", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.complex_scan_reference
-
-
 class _CudaStandIn:
     """kernels/cuda/selective_scan's launchers for complex A on CPU tensors, computed by the float64
     numpy recurrence, so that the ops' PyLayer glue for complex A runs here (complex64 states, last
@@ -248,7 +236,7 @@ class _CudaStandIn:
     workspace_shape = staticmethod(cuda_scan.workspace_shape)
 
     def __init__(self):
-        self.reference = _complex_scan_reference()
+        self.reference = selective_scan_reference
 
     @staticmethod
     def scan_plan(seqlen):
