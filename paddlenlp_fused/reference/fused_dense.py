@@ -9,9 +9,11 @@ from __future__ import annotations
 import paddle
 import paddle.nn.functional as F
 
-GATED = {"swiglu": F.silu, "geglu": lambda g: F.gelu(g, approximate=True)}
+from .gated_activation import gelu_tanh
+
+GATED = {"swiglu": F.silu, "geglu": gelu_tanh}
 ELEMENTWISE = {
-    "gelu_approx": lambda h: F.gelu(h, approximate=True),
+    "gelu_approx": gelu_tanh,
     "gelu": lambda h: F.gelu(h, approximate=False),
     "relu": F.relu,
     "sqrelu": lambda h: F.relu(h) ** 2,
