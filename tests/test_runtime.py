@@ -121,3 +121,32 @@ def test_interpreter_runs_loops_with_run_time_bounds():
     out = paddle.full([1], float("nan"))
     _row_sum_kernel[(1,)](*triton_args(x, out), 37, BLOCK=8)
     np.testing.assert_allclose(out.numpy(), [x.numpy().sum()], rtol=1e-5)
+
+
+@triton.jit
+def _to_bf16_kernel(x_ptr, cast_ptr, stored_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(cast_ptr + offs, x.to(tl.bfloat16), mask=offs < n)  # an explicit cast
+    tl.store(stored_ptr + offs, x, mask=offs < n)  # the store's own cast to the pointer's type
+
+
+def test_interpreter_rounds_bf16_casts_to_nearest_even():
+    """Once the kernels' interpreter_compat is imported, fp32 -> bf16 in the interpreter equals
+    Paddle's CPU cast (round to nearest even) bit for bit: ties both ways, overflow to inf,
+    subnormals, signed zero, inf; NaN stays NaN."""
+    import paddlenlp_fused.kernels.triton.interpreter_compat  # noqa: F401
+
+    special = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x3F80FFFF, 0x7F7FFFFF, 0x00008000, 0x00018001,
+                        0x80000000, 0x7F800000, 0xFF800000], dtype=np.uint32).view(np.float32)
+    values = np.concatenate([special, np.random.randn(500).astype(np.float32) * 10.0 ** np.random.randint(-30, 30, 500)])
+    x = paddle.to_tensor(values.astype(np.float32))
+    with_nan = paddle.concat([x, paddle.to_tensor([float("nan")])])
+    n = with_nan.shape[0]
+    cast, stored = (paddle.full([n], 7.0, dtype="bfloat16") for _ in range(2))
+    _to_bf16_kernel[(1,)](*triton_args(with_nan, cast, stored), n, BLOCK=1024)
+    want = x.astype("bfloat16").view("uint16").numpy()
+    for got in (cast, stored):
+        bits = got.view("uint16").numpy()
+        np.testing.assert_array_equal(bits[:-1], want)
+        assert np.isnan(got[-1:].astype("float32").numpy()).all()

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ...runtime import tensor as T
 from .gated_activation import _act_and_grad as _gated_act_and_grad
-from .interpreter_compat import INTERPRETING, dot_operand, round_to
+from .interpreter_compat import INTERPRETING, dot_operand
 
 ACTIVATIONS = {"none": 0, "gelu_approx": 1, "gelu": 2, "relu": 3, "sqrelu": 4}
 _INV_SQRT2 = tl.constexpr(0.7071067811865476)
@@ -101,11 +101,11 @@ def _gemm_tile(a_ptr, b_ptr, c_ptr, bias_ptr, pre_ptr, M, N, K,
         _, grad = _act_and_grad(pre, ACTIVATION)
         acc = acc * grad
     elif ACTIVATION != 0:
-        pre = round_to(acc, c_ptr.dtype.element_ty)
+        pre = acc.to(c_ptr.dtype.element_ty)
         if SAVE_PRE:
             tl.store(pre_ptr + rows * stride_pm + rn[None, :], pre, mask=mask)
         acc, _ = _act_and_grad(pre.to(tl.float32), ACTIVATION)
-    tl.store(c_ptr + rows * stride_cm + rn[None, :], round_to(acc, c_ptr.dtype.element_ty), mask=mask)
+    tl.store(c_ptr + rows * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -219,7 +219,7 @@ def _column_sum_block(x_ptr, out_ptr, K, N, stride_k, stride_n, BLOCK_K: tl.cons
     for k0 in range(0, K, BLOCK_K):
         acc += tl.load(ptrs, mask=((k0 + rk) < K)[:, None] & (cols < N)[None, :], other=0.0).to(tl.float32)
         ptrs += BLOCK_K * stride_k
-    tl.store(out_ptr + cols, round_to(tl.sum(acc, axis=0), out_ptr.dtype.element_ty), mask=cols < N)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
 @triton.jit
@@ -240,7 +240,7 @@ def _act_fwd_kernel(pre_ptr, out_ptr, n, ACTIVATION: tl.constexpr, BLOCK: tl.con
     mask = offs < n
     x = tl.load(pre_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     act, _ = _act_and_grad(x, ACTIVATION)
-    tl.store(out_ptr + offs, round_to(act, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, act.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -251,7 +251,7 @@ def _act_bwd_kernel(pre_ptr, dout_ptr, dpre_ptr, n, ACTIVATION: tl.constexpr,
     x = tl.load(pre_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     dout = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     _, grad = _act_and_grad(x, ACTIVATION)
-    tl.store(dpre_ptr + offs, round_to(dout * grad, dpre_ptr.dtype.element_ty), mask=mask)
+    tl.store(dpre_ptr + offs, (dout * grad).to(dpre_ptr.dtype.element_ty), mask=mask)
 
 
 def _elementwise(activation, tensors):

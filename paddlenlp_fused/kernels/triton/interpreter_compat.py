@@ -9,11 +9,13 @@ resolved at compile time and leaves no code.
 bit patterns, so there the operands go in as fp32 (16-bit products are exact in fp32, so the result
 is the tensor-core one up to summation order); compiled, the operand passes unchanged.
 
-``round_to``: the interpreter truncates fp32 -> bf16 casts (a 2x larger, biased error, which drifts
-the CPU suite's low-precision errors past the GPU's); there bf16 rounds to nearest even on the fp32
-bits. Compiled, a plain cast (the hardware rounds to nearest even).
+Casts to bf16: Triton 3.6's interpreter truncates fp32 -> bf16 (``.to()`` and stores), an error
+twice the GPU's and biased, which drifted the CPU suite's low-precision errors past the GPU's. When
+interpreting, importing this module makes the interpreter's fp32 -> bf16 cast round to nearest even,
+as the hardware does; compiled kernels are untouched.
 """
 
+import numpy as np
 import triton
 import triton.language as tl
 
@@ -28,12 +30,26 @@ def dot_operand(x):
     return x
 
 
-@triton.jit
-def round_to(x, DTYPE: tl.constexpr):
-    """``x`` cast to DTYPE, rounding to nearest even also in the interpreter (NaN stays NaN)."""
-    if INTERPRETING and DTYPE == tl.bfloat16:
-        x = x.to(tl.float32)
-        bits = x.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        x = tl.where(x != x, 0x7FC0, rounded).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return x.to(DTYPE)
+def _round_bf16_casts_to_nearest_even():
+    """Wrap the interpreter's cast so that fp32 -> bf16 rounds to nearest even (NaN stays NaN)."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    truncating_cast = builder.cast_impl
+    if getattr(truncating_cast, "rounds_bf16", False):
+        return
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.asarray(src.data, dtype=np.float32).view(np.uint32)
+            rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16
+            rounded = np.where(np.isnan(src.data), np.uint32(0x7FC0), rounded).astype(np.uint16)
+            return interpreter.TensorHandle(rounded, tl.bfloat16)
+        return truncating_cast(self, src, dst_type)
+
+    cast_impl.rounds_bf16 = True
+    builder.cast_impl = cast_impl
+
+
+if INTERPRETING:
+    _round_bf16_casts_to_nearest_even()

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from ...runtime import tensor as T
-from .interpreter_compat import INTERPRETING, dot_operand, round_to
+from .interpreter_compat import INTERPRETING, dot_operand
 
 
 class SSDConfig(NamedTuple):
@@ -100,7 +100,7 @@ class SSDConfig(NamedTuple):
     # (8 more bits; y's error against float64 1.7e-3 instead of 2.4e-3 at the canonical shape) for one
     # more matmul (~0.05 ms of the canonical forward). Off: one term is what any bf16 GEMM of these
     # weights gives, well inside DESIGN's bound. (The CPU suite's dz errors past the bound with one term
-    # came from the interpreter truncating the bf16 cast; it now rounds as the GPU does, ``round_to``.)
+    # came from the interpreter truncating the bf16 cast; ``interpreter_compat`` now makes it round as the GPU does.)
     split_scores: bool = False
     # chunk scan recomputes its C.B blocks by matmul (C tile kept in registers) instead of loading
     # the fp32 CB written by stage 2 (which the backward reads); for dstate <= 256
@@ -191,7 +191,7 @@ def _add_decayed_xb(acc, x_rows, B_rows, k, kmask, keep, cs_end, cs_k, dt_k, p, 
                  other=0.0)                                                               # [p, k]
     b = tl.load(B_rows + k[:, None] * bc_stride + n[None, :], mask=kmask[:, None] & nmask[None, :],
                 other=0.0).to(tl.float32)                                                 # [k, n]
-    bw = round_to(b * weight[:, None], xt.dtype)
+    bw = (b * weight[:, None]).to(xt.dtype)
     return tl.dot(dot_operand(xt), dot_operand(bw), acc, input_precision=DOT_PRECISION)
 
 
@@ -324,7 +324,7 @@ def _fused_state_passing_kernel(x_ptr, B_ptr, dt_out_ptr, cs_ptr, seq_ptr, init_
         chunk_start = k0 % CHUNK == 0
         c = k0 // CHUNK
         # branch-free so the loop stays one software pipeline: a masked store, a select
-        tl.store(states_base + c.to(tl.int64) * chunk_stride, round_to(h, states_ptr.dtype.element_ty),
+        tl.store(states_base + c.to(tl.int64) * chunk_stride, h.to(states_ptr.dtype.element_ty),
                  mask=tile_mask & chunk_start)
         cs_before = tl.load(cs_ptr + cs_base + tl.maximum(k0 - 1, 0))
         cs_before = tl.where(chunk_start, 0.0, cs_before)
@@ -430,8 +430,8 @@ def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, CB_ptr, dt_out_ptr, cs_ptr, states_p
     if RECOMPUTE_CB or M_LOOP:  # one dstate tile: the entering state [n, p], once per program
         n = tl.arange(0, BLOCK_N)
         nmask = n < dstate
-        st = round_to(tl.load(st_base + p[None, :] * dstate + n[:, None], mask=nmask[:, None] & pmask[None, :],
-                              other=0.0), mm_dtype)
+        st = tl.load(st_base + p[None, :] * dstate + n[:, None], mask=nmask[:, None] & pmask[None, :],
+                     other=0.0).to(mm_dtype)
     if HAS_D:
         if D_PER_DIM:
             d = tl.load(D_ptr + pid_h * headdim + p, mask=pmask, other=0.0).to(tl.float32)[None, :]
@@ -447,17 +447,17 @@ def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, CB_ptr, dt_out_ptr, cs_ptr, states_p
         # inter-chunk: exp(cs_t) C_t . state_in[p, :]
         acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
         if RECOMPUTE_CB or M_LOOP:  # c stays for the intra-chunk products when RECOMPUTE_CB
-            c = round_to(tl.load(C_base + t[:, None] * bc_stride + n[None, :],
-                                 mask=tmask[:, None] & nmask[None, :], other=0.0), mm_dtype)  # [t, n]
+            c = tl.load(C_base + t[:, None] * bc_stride + n[None, :],
+                        mask=tmask[:, None] & nmask[None, :], other=0.0).to(mm_dtype)  # [t, n]
             acc = tl.dot(dot_operand(c), dot_operand(st), acc, input_precision=DOT_PRECISION)
         else:
             for n0 in range(0, dstate, BLOCK_N):
                 nn = n0 + tl.arange(0, BLOCK_N)
-                c_n = round_to(tl.load(C_base + t[:, None] * bc_stride + nn[None, :],
-                                       mask=tmask[:, None] & (nn < dstate)[None, :], other=0.0), mm_dtype)
+                c_n = tl.load(C_base + t[:, None] * bc_stride + nn[None, :],
+                              mask=tmask[:, None] & (nn < dstate)[None, :], other=0.0).to(mm_dtype)
                 st_n = tl.load(st_base + p[None, :] * dstate + nn[:, None],
                                mask=(nn < dstate)[:, None] & pmask[None, :], other=0.0)
-                acc = tl.dot(dot_operand(c_n), dot_operand(round_to(st_n, mm_dtype)), acc,
+                acc = tl.dot(dot_operand(c_n), dot_operand(st_n.to(mm_dtype)), acc,
                              input_precision=DOT_PRECISION)
         from_start = cs_t
         if HAS_SEQ:
@@ -471,8 +471,8 @@ def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, CB_ptr, dt_out_ptr, cs_ptr, states_p
             cs_s = tl.load(cs_ptr + chunk_row + s)
             dt_s = tl.load(dt_out_ptr + chunk_row + s)
             if RECOMPUTE_CB:
-                bt = round_to(tl.load(B_base + s[None, :] * bc_stride + n[:, None],
-                                      mask=nmask[:, None] & smask[None, :], other=0.0), mm_dtype)  # [n, s]
+                bt = tl.load(B_base + s[None, :] * bc_stride + n[:, None],
+                             mask=nmask[:, None] & smask[None, :], other=0.0).to(mm_dtype)  # [n, s]
                 cb = tl.dot(dot_operand(c), dot_operand(bt), input_precision=DOT_PRECISION)
             else:
                 cb = tl.load(cb_base + t[:, None] * CHUNK + s[None, :])
@@ -486,10 +486,10 @@ def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, CB_ptr, dt_out_ptr, cs_ptr, states_p
                 scores += tl.where(s[None, :] == t[:, None], d, 0.0)
             xs = tl.load(x_base + s[:, None] * x_stride + p[None, :], mask=smask[:, None] & pmask[None, :],
                          other=0.0)                                                        # [s, p]
-            scores_hi = round_to(scores, xs.dtype)
+            scores_hi = scores.to(xs.dtype)
             acc = tl.dot(dot_operand(scores_hi), dot_operand(xs), acc, input_precision=DOT_PRECISION)
             if SPLIT_SCORES:  # a second bf16 term carries what the first rounded off (8 more bits)
-                scores_lo = round_to(scores - scores_hi.to(tl.float32), xs.dtype)
+                scores_lo = (scores - scores_hi.to(tl.float32)).to(xs.dtype)
                 acc = tl.dot(dot_operand(scores_lo), dot_operand(xs), acc, input_precision=DOT_PRECISION)
 
         tile = t[:, None] * x_stride + p[None, :]
@@ -497,10 +497,10 @@ def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, CB_ptr, dt_out_ptr, cs_ptr, states_p
         if D_PER_DIM:
             acc += d * tl.load(x_base + tile, mask=tile_mask, other=0.0).to(tl.float32)
         if HAS_Z:
-            tl.store(out_x_ptr + out_base + tile, round_to(acc, out_x_ptr.dtype.element_ty), mask=tile_mask)
+            tl.store(out_x_ptr + out_base + tile, acc.to(out_x_ptr.dtype.element_ty), mask=tile_mask)
             zt = tl.load(z_ptr + out_base + tile, mask=tile_mask, other=0.0).to(tl.float32)
             acc *= zt / (1.0 + tl.exp(-zt))
-        tl.store(out_ptr + out_base + tile, round_to(acc, out_ptr.dtype.element_ty), mask=tile_mask)
+        tl.store(out_ptr + out_base + tile, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from ...runtime import tensor as T
-from .interpreter_compat import dot_operand, round_to
+from .interpreter_compat import dot_operand
 
 _INT_DTYPES = ("int32", "int64")
 
@@ -87,7 +87,7 @@ def workspace_shapes(batch: int, seqlen: int, nheads: int, headdim: int, dstate:
 @triton.jit
 def _mm(a, b, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """a @ b with operands cast to DOT_DTYPE, fp32 accumulation."""
-    return tl.dot(dot_operand(round_to(a, DOT_DTYPE)), dot_operand(round_to(b, DOT_DTYPE)), input_precision=PRECISION,
+    return tl.dot(dot_operand(a.to(DOT_DTYPE)), dot_operand(b.to(DOT_DTYPE)), input_precision=PRECISION,
                   out_dtype=tl.float32)
 
 
@@ -108,8 +108,8 @@ def _gate_bwd_kernel(dout_ptr, z_ptr, out_x_ptr, dz_ptr, dy_ptr, n_rows, P,
     z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = tl.load(out_x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     sig = _sigmoid(z)
-    tl.store(dy_ptr + offs, round_to(dout * z * sig, dy_ptr.dtype.element_ty), mask=mask)
-    tl.store(dz_ptr + offs, round_to(dout * y * sig * (1.0 + z * (1.0 - sig)), dz_ptr.dtype.element_ty), mask=mask)
+    tl.store(dy_ptr + offs, (dout * z * sig).to(dy_ptr.dtype.element_ty), mask=mask)
+    tl.store(dz_ptr + offs, (dout * y * sig * (1.0 + z * (1.0 - sig))).to(dz_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -224,10 +224,10 @@ def _dstates_passing_kernel(dy_ptr, C_ptr, dt_out_ptr, dA_cs_ptr, runs_ptr, stat
     for k in range(nchunks):
         c = nchunks - 1 - k
         state = ((b * nchunks + c) * nheads + h) * P * N
-        tl.store(dSn_ptr + state + pn, round_to(dS, dSn_ptr.dtype.element_ty), mask=pn_mask)
+        tl.store(dSn_ptr + state + pn, dS.to(dSn_ptr.dtype.element_ty), mask=pn_mask)
         S = tl.load(states_ptr + state + pn, mask=pn_mask, other=0.0).to(tl.float32)
         if WRITE_S_LP:
-            tl.store(S_lp_ptr + state + pn, round_to(S, S_lp_ptr.dtype.element_ty), mask=pn_mask)
+            tl.store(S_lp_ptr + state + pn, S.to(S_lp_ptr.dtype.element_ty), mask=pn_mask)
         end = ((b * nheads + h) * nchunks + c) * K + K - 1
         carry = tl.exp(tl.load(dA_cs_ptr + end))
         if HAS_SEQ:
@@ -270,9 +270,9 @@ def _state_passing_bwd_kernel(G_ptr, states_ptr, dA_cs_ptr, runs_ptr, dfinal_ptr
         more = mask & (c > 0)
         G_next = tl.load(G_ptr + head + (c - 1) * step, mask=more, other=0.0)
         S_next = tl.load(states_ptr + head + (c - 1) * step, mask=more, other=0.0)
-        tl.store(dSn_ptr + head + c * step, round_to(dS, dSn_ptr.dtype.element_ty), mask=mask)
+        tl.store(dSn_ptr + head + c * step, dS.to(dSn_ptr.dtype.element_ty), mask=mask)
         if WRITE_S_LP:
-            tl.store(S_lp_ptr + head + c * step, round_to(S, S_lp_ptr.dtype.element_ty), mask=mask)
+            tl.store(S_lp_ptr + head + c * step, S.to(S_lp_ptr.dtype.element_ty), mask=mask)
         end = ((b * nheads + h) * nchunks + c) * K + K - 1
         carry = tl.exp(tl.load(dA_cs_ptr + end).to(tl.float32))
         if HAS_SEQ:
@@ -380,7 +380,7 @@ def _chunk_dx_kernel(x_ptr, dy_ptr, B_ptr, CB_ptr, dt_out_ptr, dA_cs_ptr, runs_p
                 tl.atomic_add(dD_ptr + h * P + p, tl.sum(dy_s * x_s, axis=0), mask=p < P, sem="relaxed")
             else:
                 tl.atomic_add(dD_ptr + h, tl.sum(tl.sum(dy_s * x_s, axis=1), axis=0), sem="relaxed")
-        tl.store(dx_ptr + xs_offs, round_to(dx, dx_ptr.dtype.element_ty), mask=sp_mask)
+        tl.store(dx_ptr + xs_offs, dx.to(dx_ptr.dtype.element_ty), mask=sp_mask)
         if SPLIT_P:
             tl.atomic_add(ddt_direct_ptr + row + s, tl.sum(acc * x_s, axis=1), mask=s < K, sem="relaxed")
         else:
@@ -557,7 +557,7 @@ def _dt_bwd_kernel(dt_ptr, dt_bias_ptr, A_ptr, dt_out_ptr, ddt_direct_ptr, ddA_p
     if HAS_LIMIT:  # paddle.clip passes the gradient on [min, max]
         grad = tl.where((processed >= dt_min) & (processed <= dt_max), grad, 0.0)
     grad = tl.where(valid, grad, 0.0)
-    tl.store(ddt_ptr + tok, round_to(grad, ddt_ptr.dtype.element_ty), mask=valid)
+    tl.store(ddt_ptr + tok, grad.to(ddt_ptr.dtype.element_ty), mask=valid)
     if HAS_BIAS:
         tl.atomic_add(ddt_bias_ptr + h, tl.sum(grad, axis=0), sem="relaxed")
 
