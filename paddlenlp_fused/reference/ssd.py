@@ -169,7 +169,8 @@ def ssd_chunked_ref(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, in
 def ssd_recurrence_ref(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, initial_states=None,
                        seq_idx=None, dt_softplus=False, dt_limit=NO_DT_LIMIT, states_at=None):
     """The token-by-token recurrence; same arguments and results as ``ssd_chunked_ref``
-    (``chunk_size`` is accepted and ignored)."""
+    (``chunk_size`` is accepted and ignored). A may also be ``[batch, seqlen, nheads]``, one value per
+    token: tests read dA's per-token terms from its gradient."""
     cdt = _compute_dtype(x, dt, A, B, C)
     batch, seqlen, nheads, headdim = x.shape
     dstate = B.shape[-1]
@@ -185,7 +186,7 @@ def ssd_recurrence_ref(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=
     wanted = {int(p): i for i, p in enumerate(states_at or [])}
     ys, at = [], [None] * len(wanted)
     for t in range(seqlen):
-        decay = paddle.exp(dtf[:, t] * Af)                                       # [b, h]
+        decay = paddle.exp(dtf[:, t] * (Af[:, t] if Af.ndim == 3 else Af))      # [b, h]
         if seg is not None and t > 0:
             decay = decay * (seg[:, t] == seg[:, t - 1]).astype(cdt)[:, None]
         h = decay[:, :, None, None] * h + \
