@@ -16,7 +16,7 @@ import pytest
 from paddlenlp_fused.kernels.triton.ssd_backward import ssd_chunked_bwd, workspace_shapes
 from paddlenlp_fused.reference.ssd import segment_ids, ssd_chunked_ref
 from paddlenlp_fused.runtime.triton_paddle import triton_args
-from paddlenlp_fused.testing.numerics import assert_close, bound_for, rel_err, silu
+from paddlenlp_fused.testing.numerics import assert_close, assert_close_to_terms, rel_err, silu
 from helpers import to64
 
 
@@ -211,9 +211,7 @@ def _check_case(case, states_in_x_dtype=False):
         got, want = to64(grads[name]), ref_grads[name].numpy()
         try:
             if name in term_scale:
-                err = float(np.max(np.abs(got - want) / np.maximum(term_scale[name], 1e-300)))
-                assert err <= bound_for(check_dtype), \
-                    f"d{name} ({check_dtype}): error / sum of |terms| {err:.3e} exceeds {bound_for(check_dtype):.3e}"
+                assert_close_to_terms(f"d{name}", got, want, term_scale[name], check_dtype)
             else:
                 assert_close(f"d{name}", got, want, check_dtype)
         except AssertionError as err:

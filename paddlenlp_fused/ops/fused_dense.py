@@ -57,14 +57,13 @@ from ..distributed import comm
 from ..kernels.cuda.fused_dense import AUTO_HEURISTIC
 from ..kernels.triton import fused_dense as triton_kernels
 from ..kernels.triton.gated_activation import gated_activation_bwd, gated_activation_fwd
-from ..reference.fused_dense import fused_dense_ref, fused_mlp_ref
+from ..reference.fused_dense import GATED, fused_dense_ref, fused_mlp_ref
 from ..runtime import tensor as T
 from ..runtime.backend import resolve_backend
 from ..runtime.triton_paddle import triton_args
 from ._checks import check_tensor, contiguous, device_of
 
 ACTIVATIONS = ("gelu_approx", "gelu", "relu", "sqrelu", "swiglu", "geglu")
-GATED = {"swiglu": "silu", "geglu": "gelu_tanh"}  # -> gated_activation kernels' names
 _TRITON_EPILOGUE = frozenset({"gelu_approx", "gelu", "relu", "sqrelu"})
 _FWD_EPILOGUE = {"triton": _TRITON_EPILOGUE, "cuda": frozenset({"gelu_approx"}), "cuda_float32": frozenset()}
 _BWD_EPILOGUE = {"triton": _TRITON_EPILOGUE, "cuda": frozenset()}

@@ -9,9 +9,9 @@ from __future__ import annotations
 import paddle
 import paddle.nn.functional as F
 
-from .gated_activation import gelu_tanh
+from .gated_activation import GATE_ACTIVATIONS, gelu_tanh
 
-GATED = {"swiglu": F.silu, "geglu": gelu_tanh}
+GATED = {"swiglu": "silu", "geglu": "gelu_tanh"}  # the MLP's gated activations -> gated_activation's names
 ELEMENTWISE = {
     "gelu_approx": gelu_tanh,
     "gelu": lambda h: F.gelu(h, approximate=False),
@@ -24,7 +24,7 @@ def activation_ref(h: paddle.Tensor, activation: str) -> paddle.Tensor:
     """The MLP's activation of h [..., H] (gated: h [..., 2H] = [gate | up] -> [..., H]), float32."""
     if activation in GATED:
         gate, up = paddle.chunk(h, 2, axis=-1)
-        return GATED[activation](gate) * up
+        return GATE_ACTIVATIONS[GATED[activation]](gate) * up
     return ELEMENTWISE[activation](h)
 
 

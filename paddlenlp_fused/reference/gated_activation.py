@@ -22,9 +22,11 @@ def gelu_tanh(a: paddle.Tensor) -> paddle.Tensor:
     return a * F.sigmoid(2.0 * u)
 
 
+GATE_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": gelu_tanh}
+
+
 def gated_activation_ref(x: paddle.Tensor, activation: str = "silu") -> paddle.Tensor:
     """x [..., 2H] -> act(x[..., :H]) * x[..., H:], act = silu or tanh-approximate gelu."""
     x32 = x.astype("float32")
     gate, up = paddle.chunk(x32, 2, axis=-1)
-    act = F.silu(gate) if activation == "silu" else gelu_tanh(gate)
-    return (act * up).astype(x.dtype)
+    return (GATE_ACTIVATIONS[activation](gate) * up).astype(x.dtype)

@@ -48,6 +48,19 @@ def assert_close(name: str, out, ref, dtype: str, baseline_err: float | None = N
     return err
 
 
+def assert_close_to_terms(name: str, out, ref, term_magnitudes, dtype: str) -> float:
+    """Assert DESIGN.md's bound for a sum that may cancel: the error of each element over the sum of
+    its terms' magnitudes (``term_magnitudes``, broadcastable to ``out``), not over the sum itself.
+    Real or complex. Returns the largest such ratio."""
+    wide = lambda a: np.asarray(a).astype(np.complex128 if np.iscomplexobj(a) else np.float64)  # noqa: E731
+    diff = np.abs(wide(out) - wide(ref))
+    err = float(np.max(diff / np.maximum(np.asarray(term_magnitudes, dtype=np.float64), 1e-300)))
+    bound = bound_for(dtype)
+    if not err <= bound:  # also false for NaN
+        raise AssertionError(f"{name} ({dtype}): error / sum of |terms| {err:.3e} exceeds bound {bound:.3e}")
+    return err
+
+
 def silu(x):
     """numpy silu, for float64 references."""
     return x / (1 + np.exp(-x))

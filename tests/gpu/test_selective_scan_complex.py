@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from paddlenlp_fused.kernels.cuda import selective_scan as cuda_scan
-from paddlenlp_fused.testing.numerics import assert_close, bound_for, rel_err
+from paddlenlp_fused.testing.numerics import assert_close, assert_close_to_terms, bound_for, rel_err
 from paddlenlp_fused.testing.scan_reference import selective_scan_reference
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -157,13 +157,8 @@ def _check_sum(name, got, want, term_sum, dtype):
     """A gradient that sums one term per token (and batch): the relative norm error, or where the sum
     cancels (its norm far below its terms') the forward-error measure of a sum, the error over the sum
     of the terms' magnitudes (DESIGN.md's note on sums; as tests/gpu/test_ssd_backward.py does)."""
-    bound = bound_for(dtype)
-    err = rel_err(_pairs(got), _pairs(want))
-    if err <= bound:
-        return
-    over_terms = float(np.max(np.abs(got - want) / np.maximum(term_sum, 1e-300)))
-    assert over_terms <= bound, (f"{name} ({dtype}): relative error {err:.3e} and error / sum of |terms| "
-                                 f"{over_terms:.3e} exceed {bound:.3e}")
+    if rel_err(_pairs(got), _pairs(want)) > bound_for(dtype):
+        assert_close_to_terms(name, got, want, term_sum, dtype)
 
 
 def check_complex_scan(provider, ref_in, softplus, dout, results, dtype):

@@ -6,11 +6,10 @@ inner product, are measured against the sum of their terms' magnitudes."""
 
 import math
 
-import numpy as np
 import pytest
 
 from paddlenlp_fused.kernels.triton.ssd_backward import ssd_chunked_bwd, workspace_shapes
-from paddlenlp_fused.testing.numerics import assert_close, bound_for, rel_err
+from paddlenlp_fused.testing.numerics import assert_close, assert_close_to_terms, rel_err
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -175,11 +174,9 @@ def run_case(provider, dtype, dims, K, opt, check=True, states_in_x_dtype=False)
         if check:
             try:
                 if name in term_scale:
-                    scale = np.maximum(term_scale[name].detach().cpu().numpy(), 1e-300)
-                    sum_err = float(np.max(np.abs(g[name].double().cpu().numpy() - want) / scale))
-                    errors[name + "/terms"] = sum_err
-                    assert sum_err <= bound_for(dtype), \
-                        f"d{name} ({dtype}): error / sum of |terms| {sum_err:.3e} exceeds {bound_for(dtype):.3e}"
+                    errors[name + "/terms"] = assert_close_to_terms(
+                        f"d{name}", g[name].double().cpu().numpy(), want, term_scale[name].detach().cpu().numpy(),
+                        dtype)
                 else:
                     assert_close(f"d{name}", g[name].double().cpu().numpy(), want, dtype, baseline_err=base)
             except AssertionError as err:

@@ -36,8 +36,6 @@ def _round_bf16_casts_to_nearest_even():
 
     builder = interpreter.InterpreterBuilder
     truncating_cast = builder.cast_impl
-    if getattr(truncating_cast, "rounds_bf16", False):
-        return
 
     def cast_impl(self, src, dst_type):
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
@@ -47,7 +45,6 @@ def _round_bf16_casts_to_nearest_even():
             return interpreter.TensorHandle(rounded, tl.bfloat16)
         return truncating_cast(self, src, dst_type)
 
-    cast_impl.rounds_bf16 = True
     builder.cast_impl = cast_impl
 
 
