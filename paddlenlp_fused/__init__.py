@@ -7,6 +7,9 @@ access, and ``paddlenlp_fused.kernels`` imports without Paddle.
 from __future__ import annotations
 
 from ._lazy import lazy_exports
+from .runtime.versions import check_versions as _check_versions
+
+_check_versions()  # a clear ImportError for an unsupported Paddle (before any op fails obscurely)
 
 __version__ = "0.1.0"
 

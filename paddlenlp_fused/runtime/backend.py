@@ -16,9 +16,10 @@ import os
 import warnings
 from typing import Callable, Dict, NamedTuple, Optional, Sequence
 
+from . import versions
+
 BACKENDS = ("triton", "cuda", "reference")
 ENV_VAR = "PADDLENLP_FUSED_BACKEND"
-TRITON_SUPPORTED = ((3, 6), (3, 10))  # [min, max)
 
 _override: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("paddlenlp_fused_backend", default=None)
 _warned: set = set()
@@ -66,10 +67,9 @@ def _triton_status(device: str) -> BackendStatus:
         import triton
     except ImportError as exc:  # pragma: no cover - triton is an install requirement
         return BackendStatus(False, f"triton is not importable ({exc})")
-    version = tuple(int(p) for p in triton.__version__.split(".")[:2])
-    lo, hi = TRITON_SUPPORTED
-    if not lo <= version < hi:
-        return BackendStatus(False, f"triton {triton.__version__} is outside the supported range >=3.6,<3.10")
+    problem = versions.triton_problem(triton.__version__)
+    if problem:
+        return BackendStatus(False, problem)
     if device == "gpu":
         return BackendStatus(True, f"triton {triton.__version__} on the GPU")
     if interpreter_enabled():
