@@ -34,10 +34,15 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+SEED_ENV = "PADDLENLP_FUSED_TEST_SEED"
+
+
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
-    """Fresh random inputs per test, reproducible from the printed seed."""
-    seed = int(np.random.SeedSequence().entropy % (2**31))
+    """Fresh random inputs per test (numpy and Paddle), reproducible from the seed that a failing
+    test's report shows (``pytest_runtest_makereport``): rerun it with PADDLENLP_FUSED_TEST_SEED=<seed>."""
+    fixed = os.environ.get(SEED_ENV)
+    seed = int(fixed) if fixed else int(np.random.SeedSequence().entropy % (2**31))
     request.node.user_properties.append(("seed", seed))
     np.random.seed(seed)
     try:
@@ -47,3 +52,11 @@ def _fresh_seed(request):
     except ImportError:
         pass
     yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    seed = dict(item.user_properties).get("seed")
+    if report.failed and seed is not None:
+        report.sections.append(("seed", f"{SEED_ENV}={seed} pytest '{item.nodeid}'"))

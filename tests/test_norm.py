@@ -283,3 +283,48 @@ def test_bad_input_raises_clear_errors():
         triton_norm.norm_bwd(*launch, counters=triton_args(paddle.zeros([2], dtype="float32"))[0])
     with pytest.raises(ValueError, match=r"counters: expected shape \(2,\)"):
         triton_norm.norm_bwd(*launch, counters=triton_args(paddle.zeros([3], dtype="int32"))[0])
+
+
+def _grads_with_other_consumers(norm, x0, r0, g):
+    """Gradients of x0 and r0 when each also feeds another branch, computed before the norm so that
+    Paddle adds that branch's gradient into what the norm returns (in place)."""
+    x, r = x0 * 1.0, r0 * 1.0
+    x32, r32 = x.astype("float32"), r.astype("float32")
+    other = 3.0 * paddle.tanh(x32).sum() + 5.0 * (r32 * r32).sum()
+    out = norm(x, r)
+    out = out[0] if isinstance(out, tuple) else out
+    ((out.astype("float32") * g).sum() + other).backward()
+    grads = to64(x0.grad), to64(r0.grad)
+    x0.clear_gradient()
+    r0.clear_gradient()
+    return grads
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype,residual_dtype", [("float32", "float32"), ("bfloat16", "bfloat16"),
+                                                  ("bfloat16", "float32")])
+@pytest.mark.parametrize("is_rms_norm", [False, True], ids=["layer_norm", "rms_norm"])
+def test_residual_gradients_are_distinct_tensors(is_rms_norm, dtype, residual_dtype, backend):
+    """x and residual each get their own gradient tensor: x's other consumer must not leak into the
+    residual's gradient nor the residual's into x's (they shared one buffer)."""
+    x0, r0 = randn((5, 24), dtype, requires_grad=True), randn((5, 24), residual_dtype, requires_grad=True)
+    w, b = randn((24,)), (None if is_rms_norm else randn((24,)))
+    g = randn((5, 24))
+    got = _grads_with_other_consumers(
+        lambda x, r: layer_norm_fn(x, w, b, r, prenorm=True, is_rms_norm=is_rms_norm, backend=backend), x0, r0, g)
+    ref = _grads_with_other_consumers(
+        lambda x, r: layer_norm_fn(x, w, b, r, prenorm=True, is_rms_norm=is_rms_norm, backend="reference"), x0, r0, g)
+    for name, a, e in zip(("x", "residual"), got, ref):
+        assert_close(f"{name}.grad", a, e, dtype)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1e-6])
+def test_non_finite_or_negative_eps_is_rejected(bad):
+    x, w = randn((3, 8)), randn((8,))
+    for call in (lambda: layer_norm_fn(x, w, None, eps=bad), lambda: rms_norm_fn(x, w, eps=bad, backend="reference"),
+                 lambda: rmsnorm_gated_fn(x, w, eps=bad), lambda: FusedRMSNorm(8, epsilon=bad),
+                 lambda: FusedLayerNorm(8, epsilon=bad), lambda: GatedRMSNorm(8, epsilon=bad)):
+        with pytest.raises(ValueError, match="eps.*finite float >= 0"):
+            call()
+    with pytest.raises(TypeError, match="eps: expected a float"):
+        rms_norm_fn(x, w, eps="1e-6")

@@ -15,6 +15,7 @@ import math
 import paddle
 from paddle import nn
 
+from ..ops._checks import check_eps
 from ..ops.norm import layer_norm_fn, rmsnorm_gated_fn
 
 
@@ -35,7 +36,7 @@ class FusedLayerNorm(nn.Layer):
         super().__init__()
         shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
         self._normalized_shape = shape
-        self._epsilon = epsilon
+        self._epsilon = check_eps("epsilon", epsilon)
         self._backend = backend
         self._residual_in_fp32 = residual_in_fp32
         size = math.prod(shape)
@@ -75,7 +76,7 @@ class FusedRMSNorm(nn.Layer):
                  backend: str = "auto", residual_in_fp32: bool = False, weight_offset: float = 0.0):
         super().__init__()
         self.hidden_size = hidden_size
-        self.variance_epsilon = epsilon
+        self.variance_epsilon = check_eps("epsilon", epsilon)
         self._backend = backend
         self._residual_in_fp32 = residual_in_fp32
         self._weight_offset = weight_offset
@@ -104,7 +105,7 @@ class GatedRMSNorm(nn.Layer):
         if group_size is not None and (group_size <= 0 or hidden_size % group_size):
             raise ValueError(f"group_size: expected a positive divisor of hidden_size {hidden_size}, got {group_size}")
         self.hidden_size = hidden_size
-        self.eps = epsilon
+        self.eps = check_eps("epsilon", epsilon)
         self.group_size = group_size
         self.norm_before_gate = norm_before_gate
         self._backend = backend

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import paddle
 
 from ..runtime import tensor as T
@@ -17,6 +20,17 @@ def check_tensor(name: str, t, float_dtypes=FLOAT_DTYPES, min_ndim: int = 1) -> 
         raise TypeError(f"{name}: expected dtype in {list(float_dtypes)}, got {T.dtype_name(t)}")
     if t.ndim < min_ndim:
         raise ValueError(f"{name}: expected at least {min_ndim} axes, got shape {list(t.shape)}")
+
+
+def check_eps(name: str, eps) -> float:
+    """``eps`` (a norm's variance epsilon) as a float: a real number, finite and >= 0. NaN or inf
+    would silently turn every output into NaN or zeros."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"{name}: expected a float, got {type(eps).__name__}")
+    value = float(eps)
+    if not (math.isfinite(value) and value >= 0.0):
+        raise ValueError(f"{name}: expected a finite float >= 0, got {eps!r}")
+    return value
 
 
 def contiguous(t):

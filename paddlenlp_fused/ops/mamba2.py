@@ -48,7 +48,7 @@ from ..kernels.triton.state_update import selective_state_update as state_update
 from ..reference.ssd import NO_DT_LIMIT, process_dt, selective_state_update_multihead_ref
 from ..runtime.backend import resolve_backend
 from ..runtime.triton_paddle import triton_args
-from ._checks import check_tensor, contiguous, device_of
+from ._checks import check_eps, check_tensor, contiguous, device_of
 from ._pylayer import check_shape, empty_on, grads_for, needs_grad, run_in_place
 from .causal_conv1d import causal_conv1d_fn
 from .norm import rmsnorm_gated_fn
@@ -248,8 +248,8 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
         if list(outproj_bias.shape) != [outproj_weight.shape[1]]:
             raise ValueError(f"outproj_bias: expected [{outproj_weight.shape[1]}], got {list(outproj_bias.shape)}")
     o = _Options(dim, nheads, headdim, dstate, ngroups, int(chunk_size), tuple(float(v) for v in dt_limit),
-                 activation, float(rmsnorm_eps), bool(norm_before_gate), bool(return_final_states),
-                 int(checkpoint_lvl), backend)
+                 activation, check_eps("rmsnorm_eps", rmsnorm_eps), bool(norm_before_gate),
+                 bool(return_final_states), int(checkpoint_lvl), backend)
     tensors = (zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
                outproj_bias)
     chosen = resolve_backend("mamba_split_conv1d_scan_combined", backend, device_of(zxbcdt),

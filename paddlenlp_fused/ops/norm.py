@@ -19,7 +19,8 @@ from ..reference.norm import layer_norm_ref, rmsnorm_gated_ref
 from ..runtime import tensor as T
 from ..runtime.backend import resolve_backend
 from ..runtime.triton_paddle import triton_args
-from ._checks import check_tensor, contiguous, device_of
+from ._checks import check_eps, check_tensor, contiguous, device_of
+from ._pylayer import grads_for, needs_grad
 
 # ``auto`` on the GPU, LayerNorm and RMSNorm: the backend tried first, by hidden size N, from the
 # hidden-size sweep in benchmarks/results/{layer_norm,rms_norm}.json (H200, bf16, fwd+bwd, M*N = 2^26,
@@ -60,11 +61,6 @@ def _bwd_workspace(backend: str, M: int, N: int, dtype: str, has_bias: bool, gro
     return workspace
 
 
-def _grads(ctx, grads):
-    """Paddle wants None for every input that does not require a gradient."""
-    return tuple(g if needed else None for g, needed in zip(grads, ctx.needs_grad))
-
-
 class NormFunction(PyLayer):
     """LayerNorm / RMSNorm over the last axis with optional residual add, on one GPU backend."""
 
@@ -88,7 +84,7 @@ class NormFunction(PyLayer):
         ctx.backend, ctx.shape, ctx.has_bias = backend, x.shape, bias is not None
         ctx.returns_res_out = prenorm and res_out is not None
         ctx.residual_dtype = None if residual is None else residual.dtype
-        ctx.needs_grad = [not t.stop_gradient for t in (x, weight, bias, residual) if t is not None]
+        ctx.needs_grad = needs_grad(x, weight, bias, residual)
         y = y.reshape(x.shape)
         return (y, res_out.reshape(x.shape)) if ctx.returns_res_out else y
 
@@ -99,9 +95,11 @@ class NormFunction(PyLayer):
         dy2d = contiguous(dy).reshape([M, N])
         dres_out2d = contiguous(dres_out).reshape([M, N]) if ctx.returns_res_out else None
         dx = paddle.empty([M, N], dtype=dy.dtype, device=dy.place)
-        # a residual of another dtype than x gets its own gradient tensor; else it shares dx
+        # the kernel writes the residual's gradient (dh, as dx) into its own tensor: Paddle adds the
+        # gradients of an input's other consumers into the returned tensor in place, so x and the
+        # residual must not share one
         dres = None
-        if ctx.residual_dtype is not None and ctx.residual_dtype != dy.dtype:
+        if ctx.residual_dtype is not None and ctx.needs_grad[-1]:
             dres = paddle.empty([M, N], dtype=ctx.residual_dtype, device=dy.place)
         dweight = paddle.empty(weight.shape, dtype=weight.dtype, device=dy.place)
         dbias = paddle.empty(weight.shape, dtype=weight.dtype, device=dy.place) if ctx.has_bias else None
@@ -112,8 +110,8 @@ class NormFunction(PyLayer):
         dx = dx.reshape(ctx.shape)
         grads = [dx, dweight] + ([dbias] if ctx.has_bias else [])
         if ctx.residual_dtype is not None:
-            grads.append(dx if dres is None else dres.reshape(ctx.shape))
-        return _grads(ctx, grads)
+            grads.append(None if dres is None else dres.reshape(ctx.shape))
+        return grads_for(ctx, grads)
 
 
 def _check_norm_args(x, weight, bias=None, residual=None) -> int:
@@ -145,15 +143,14 @@ def layer_norm_fn(x, weight, bias, residual=None, eps: float = 1e-5, prenorm: bo
     x's dtype, or ``(y, h)`` with ``prenorm=True``, h = x + residual in float32 when
     ``residual_in_fp32`` (else the residual's dtype; x itself when there is neither)."""
     N = _check_norm_args(x, weight, bias, residual)
-    if float(eps) < 0:
-        raise ValueError(f"eps: expected a non-negative float, got {eps}")
+    eps = check_eps("eps", eps)
     residual_dtype = paddle.float32 if residual_in_fp32 else (residual.dtype if residual is not None else x.dtype)
     op = "rms_norm" if is_rms_norm else "layer_norm"
     chosen = resolve_backend(op, backend, device_of(x), implemented=("triton", "cuda", "reference"),
                              prefer=auto_order(N))
     if chosen == "reference" or x.size == 0:  # (empty tensors: nothing to launch)
         return layer_norm_ref(x, weight, bias, residual, eps, prenorm, residual_dtype, is_rms_norm, weight_offset)
-    out = NormFunction.apply(x, weight, bias, residual, float(eps), is_rms_norm, prenorm, residual_dtype,
+    out = NormFunction.apply(x, weight, bias, residual, eps, is_rms_norm, prenorm, residual_dtype,
                              float(weight_offset), chosen)
     if prenorm and residual is None and residual_dtype == x.dtype:
         return out, x  # h is x: its gradient reaches x through autograd
@@ -185,7 +182,7 @@ class GatedRMSNormFunction(PyLayer):
                 eps=eps, **options)
         ctx.save_for_backward(x2d, weight, z2d, rstd)
         ctx.options, ctx.shape = options, x.shape
-        ctx.needs_grad = [not t.stop_gradient for t in (x, weight, z) if t is not None]
+        ctx.needs_grad = needs_grad(x, weight, z)
         return y.reshape(x.shape)
 
     @staticmethod
@@ -201,7 +198,7 @@ class GatedRMSNormFunction(PyLayer):
                                            dy=contiguous(dy).reshape([M, N]), dx=dx, dweight=dweight, z=z2d, dz=dz,
                                            **workspace), **ctx.options)
         grads = [dx.reshape(ctx.shape), dweight] + ([] if dz is None else [dz.reshape(ctx.shape)])
-        return _grads(ctx, grads)
+        return grads_for(ctx, grads)
 
 
 def rmsnorm_gated_fn(x, weight, z=None, eps: float = 1e-6, group_size=None, norm_before_gate: bool = True,
@@ -216,10 +213,9 @@ def rmsnorm_gated_fn(x, weight, z=None, eps: float = 1e-6, group_size=None, norm
             raise ValueError(f"z: expected x's shape {list(x.shape)}, got {list(z.shape)}")
     if group_size is not None and (int(group_size) <= 0 or N % int(group_size)):
         raise ValueError(f"group_size: expected a positive divisor of the last axis {N}, got {group_size}")
-    if float(eps) < 0:
-        raise ValueError(f"eps: expected a non-negative float, got {eps}")
+    eps = check_eps("eps", eps)
     group_size = None if group_size is None else int(group_size)
     chosen = resolve_backend("rmsnorm_gated", backend, device_of(x), implemented=("triton", "reference"))
     if chosen == "reference" or x.size == 0:
         return rmsnorm_gated_ref(x, weight, z, eps, group_size, norm_before_gate)
-    return GatedRMSNormFunction.apply(x, weight, z, float(eps), group_size, norm_before_gate)
+    return GatedRMSNormFunction.apply(x, weight, z, eps, group_size, norm_before_gate)
