@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib
-from typing import Dict
+import pkgutil
+from typing import Dict, Iterable
 
 
 def lazy_exports(namespace: dict, exports: Dict[str, str]) -> None:
@@ -23,3 +24,15 @@ def lazy_exports(namespace: dict, exports: Dict[str, str]) -> None:
         return sorted(set(namespace) | set(exports))
 
     namespace.update(__all__=sorted(exports), __getattr__=__getattr__, __dir__=__dir__)
+
+
+def subpackage_exports(exports: Dict[str, str], subpackage: str, path: Iterable[str]) -> Dict[str, str]:
+    """The entries of ``exports`` that live in ``subpackage``, relative to it.
+
+    A name that is also a submodule of ``subpackage`` (``linear_cross_entropy``) is left out: once any
+    code imports that submodule, Python binds the module to the name, so the function could not be
+    served reliably; it stays available from the top-level package."""
+    prefix = subpackage + "."
+    submodules = {info.name for info in pkgutil.iter_modules(path)}
+    return {name: module[len(prefix):] for name, module in exports.items()
+            if module.startswith(prefix) and name not in submodules}
