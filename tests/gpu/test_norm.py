@@ -22,7 +22,7 @@ def _workspace(provider, backend, M, N, dtype, has_bias, group_size=None, **opti
     if backend == "cuda":
         partials, rowstats = cuda_norm.bwd_workspace_shapes(M, N, dtype, has_bias, **options)
     else:
-        grid_options = {k: v for k, v in options.items() if k in ("rows", "num_warps", "programs_per_sm")}
+        grid_options = {k: v for k, v in options.items() if k in ("rows", "num_warps")}
         partials, rowstats = triton_norm.bwd_workspace_shapes(M, N, has_bias, group_size, **grid_options)
     return provider.poisoned(partials, "float32"), None if rowstats is None else provider.poisoned(rowstats, "float32")
 
@@ -139,7 +139,7 @@ VARIANTS = [("cuda", dict(items=i, stages=s), dict(items=i, stages=s, blocks_per
             for i in (1, 2) for s in (0, 2, 3) for bps in (None, 1)] + \
            [("triton", dict(rows=r, num_warps=nw), dict(rows=r, num_warps=nw, num_stages=s, reload_weight=rw))
             for r, nw, s, rw in ((1, 8, 3, False), (1, 16, 2, True), (2, 8, 1, True))] + \
-           [("triton", {}, dict(counters=False)), ("triton", {}, dict(num_stages=4, programs_per_sm=3))]
+           [("triton", {}, dict(counters=False)), ("triton", {}, dict(num_stages=4))]
 
 
 @pytest.mark.parametrize("N", [4096, 6000, 24576])
@@ -195,6 +195,80 @@ def test_unaligned_rows_and_no_rows(provider, backend):
     assert np.array_equal(got["dweight"], np.zeros(N)) and np.array_equal(got["dbias"], np.zeros(N))
 
 
+# Every row width 1..8192 and a sample to 65536 (issue: the backward's cooperative launch failed
+# with "too many blocks" at N = 3000, a width that compiles to another kernel than its neighbours):
+# options cycle with N (period 5, coprime to 16, so each meets aligned and unaligned widths).
+SWEEP_OPTIONS = (dict(is_rms=False, bias=True), dict(is_rms=False, bias=False), dict(is_rms=True, bias=False),
+                 dict(is_rms=False, bias=True, residual="float32", prenorm=True),
+                 dict(is_rms=True, bias=False, residual="same", prenorm=False))
+SWEEP_CHUNKS = [range(start, start + 1024) for start in range(1, 8193, 1024)] + \
+               [sorted({8193, 8200, 9999, 12345, 16383, 16384, 16385, 20000, 24577, 32767, 32768, 40000, 50001,
+                        65535, 65536})]
+
+
+def _check_sweep_case(provider, M, N, dtype, options):
+    """One forward and backward against float64, all outputs (poisoned before) checked."""
+    w_dtype = "float32" if options["is_rms"] else dtype
+    x, dy = provider.randn((M, N), dtype, scale=2.0, offset=0.5), provider.randn((M, N), dtype)
+    w = provider.randn((N,), w_dtype)
+    b = provider.randn((N,), w_dtype) if options["bias"] else None
+    residual = res_out_dtype = dres_out = None
+    if options.get("residual"):
+        res_out_dtype = dtype if options["residual"] == "same" else options["residual"]
+        residual = provider.randn((M, N), res_out_dtype)
+        dres_out = provider.randn((M, N), res_out_dtype) if options["prenorm"] else None
+    got = _run(provider, "triton", x, w, b, dy, residual=residual, res_out_dtype=res_out_dtype, dres_out=dres_out,
+               is_rms=options["is_rms"])
+    h = provider.to_numpy(x)
+    if residual is not None:  # x + residual, rounded once to residual_out's dtype
+        h = h + provider.to_numpy(residual)
+        if res_out_dtype == "float32":  # (round to nearest even: numpy's cast)
+            np.testing.assert_array_equal(got["residual_out"], h.astype(np.float32), err_msg=f"residual_out [{M}, {N}] {dtype} {options}")
+        else:
+            assert_close(f"residual_out [{M}, {N}] {dtype} {options}", got["residual_out"], h, res_out_dtype)
+        h = got["residual_out"]  # what the kernels normalise
+    y, dh, dw, db, rstd = _reference(h, provider.to_numpy(w), None if b is None else provider.to_numpy(b),
+                                     provider.to_numpy(dy), None if dres_out is None else provider.to_numpy(dres_out),
+                                     1e-5, options["is_rms"])
+    where = f"[{M}, {N}] {dtype} {options}"
+    assert_close(f"y {where}", got["y"], y, dtype)
+    if N == 1 and dres_out is None:  # all cancellation (see test_fwd_bwd_match_float64)
+        scale = np.linalg.norm(provider.to_numpy(w) * provider.to_numpy(dy) * rstd)
+        assert np.linalg.norm(got["dx"] - dh) <= bound_for(dtype) * scale, f"dx {where}"
+    else:
+        assert_close(f"dx {where}", got["dx"], dh, dtype)
+    if N == 1 and not options["is_rms"]:  # xhat is exactly 0
+        np.testing.assert_array_equal(got["dweight"], dw, err_msg=f"dweight {where}")
+    else:
+        assert_close(f"dweight {where}", got["dweight"], dw, dtype)
+    if b is not None:
+        assert_close(f"dbias {where}", got["dbias"], db, dtype)
+
+
+@pytest.mark.parametrize("widths", SWEEP_CHUNKS, ids=lambda r: f"N{min(r)}-{max(r)}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_every_width_small_batch(provider, dtype, widths):
+    """Each width with a few rows: every specialisation the widths compile to runs and is right."""
+    for N in widths:
+        _check_sweep_case(provider, 3 + N % 4, N, dtype, SWEEP_OPTIONS[N % len(SWEEP_OPTIONS)])
+
+
+@pytest.mark.parametrize("log_block", range(14))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_cooperative_grid_fits_at_every_specialisation(provider, dtype, log_block):
+    """Per register block (powers of 2 up to 8192), an aligned and two unaligned widths under each
+    option set, with enough rows that the backward's persistent grid fills the GPU (the fused,
+    cooperative partial sums then ask for every resident program): no launch error, right results."""
+    block = 2 ** log_block
+    widths = sorted({block, max(1, block - 1), max(1, block - 3 * block // 8 - 1)} | ({3000} if block == 4096 else set()))
+    for N in widths:
+        rows = triton_norm._bwd_config(N, triton_norm.BWD_MAX_BLOCK)[0]
+        M = 2 * triton_norm._num_sms() * triton_norm._max_programs_per_sm(
+            triton_norm._bwd_config(N, triton_norm.BWD_MAX_BLOCK)[3]) * rows
+        for options in SWEEP_OPTIONS:
+            _check_sweep_case(provider, M, N, dtype, options)
+
+
 class _Recorder:
     """Stands in for a DirectLauncher: records each launch's arguments, then launches."""
 
@@ -207,6 +281,13 @@ class _Recorder:
 
     def warmup(self, args, constexprs, options=()):
         return self.launcher.warmup(args, constexprs, options)
+
+    def specialisation(self, args, constexprs, options=()):
+        return self.launcher.specialisation(args, constexprs, options)
+
+    @property
+    def compiled(self):
+        return self.launcher.compiled
 
 
 def test_direct_launches_pick_the_kernel_triton_picks(provider, monkeypatch):

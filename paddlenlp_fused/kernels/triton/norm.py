@@ -563,41 +563,49 @@ _libcuda = None
 _resident_cache = {}
 
 
-def _resident_programs_per_sm(launcher, tensors, make_args, constexprs, options, num_warps: int) -> int:
-    """Programs of the compiled backward kernel that fit on one SM at once (registers, shared
-    memory, warp slots): the persistent grid is that many per SM, so all programs run in one wave.
-    For a cooperative launch also at most what the driver's occupancy query says (exactly what the
-    launch accepts). Cached by the tensors' dtype objects and the constexprs (a cheap key: this
-    runs on every launch); ``make_args()`` gives the launch arguments to compile with on a miss."""
+def _resident_programs_per_sm(launcher, args, constexprs, options, num_warps: int) -> int:
+    """Programs of the very backward kernel ``launcher`` runs on ``args`` that fit on one SM at
+    once (registers, shared memory, warp slots): the persistent grid is that many per SM, so all
+    programs run in one wave. The kernel is compiled for the launch's own specialisation (a row
+    width or stride that is not a multiple of 16, or a misaligned tensor, compiles to another kernel
+    with other register and shared-memory needs), and cached under it. For a cooperative launch it
+    is what the driver's occupancy query says, exactly what the launch accepts: 0 means the kernel
+    cannot be launched cooperatively at all."""
     if triton.knobs.runtime.interpret:
         return 2
-    key = (tuple(None if t is None else t.dtype for t in tensors), constexprs, options)
-    if key not in _resident_cache:
-        compiled = launcher.warmup(make_args(), constexprs, options)
-        compiled._init_handles()
-        props = triton.runtime.driver.active.utils.get_device_properties(
-            triton.runtime.driver.active.get_current_device())
-        per_sm = _max_programs_per_sm(num_warps)
-        if compiled.n_regs:  # (0 where nothing was loaded: the compile-only check)
-            per_sm = min(per_sm, 65536 // (32 * num_warps * (-(-compiled.n_regs // 8) * 8)))
-        if compiled.metadata.shared:
-            per_sm = min(per_sm, props["max_shared_mem"] // compiled.metadata.shared)
-        if ("launch_cooperative_grid", True) in options:
-            exact = _driver_occupancy(compiled, num_warps)
-            per_sm = per_sm if exact is None else min(per_sm, exact)
-        _resident_cache[key] = max(1, per_sm)
-    return _resident_cache[key]
+    key, _ = launcher.specialisation(args, constexprs, options)
+    cached = None if key is None else _resident_cache.get(key)
+    if cached is not None:
+        return cached
+    compiled = launcher.warmup(args, constexprs, options)
+    compiled._init_handles()
+    if key is not None:  # the first launch then calls the binary directly too
+        launcher.compiled.setdefault(key, compiled)
+    props = triton.runtime.driver.active.utils.get_device_properties(
+        triton.runtime.driver.active.get_current_device())
+    per_sm = _max_programs_per_sm(num_warps)
+    if compiled.n_regs:  # (0 where nothing was loaded: the compile-only check)
+        per_sm = min(per_sm, 65536 // (32 * num_warps * (-(-compiled.n_regs // 8) * 8)))
+    if compiled.metadata.shared:
+        per_sm = min(per_sm, props["max_shared_mem"] // compiled.metadata.shared)
+    per_sm = max(1, per_sm)
+    if ("launch_cooperative_grid", True) in options:
+        exact = _driver_occupancy(compiled, num_warps)
+        per_sm = per_sm if exact is None else min(per_sm, exact)
+    if key is not None:
+        _resident_cache[key] = per_sm
+    return per_sm
 
 
-def bwd_workspace_shapes(M: int, N: int, has_bias: bool, group_size=None, programs_per_sm=None,
-                         max_block: int = BWD_MAX_BLOCK, rows=None, num_warps=None):
+def bwd_workspace_shapes(M: int, N: int, has_bias: bool, group_size=None, max_block: int = BWD_MAX_BLOCK,
+                         rows=None, num_warps=None):
     """Shapes of the fp32 workspaces ``norm_bwd`` takes: (partials [n_sums, P, N], rowstats
     [M * ngroups, 2] or None). P is an upper bound (``norm_bwd`` uses as many rows as programs fit
-    on the GPU at once). ``programs_per_sm``, ``rows``, ``num_warps`` override the persistent grid
-    and the tile (tuning; pass the same values to ``norm_bwd``)."""
+    on the GPU at once). ``rows``, ``num_warps`` override the tile (tuning; pass the same values to
+    ``norm_bwd``)."""
     G, ngroups = _groups(N, group_size)
     rows, _, slabs, num_warps = _bwd_config(G, max_block, rows, num_warps)
-    per_sm = programs_per_sm or _max_programs_per_sm(num_warps)
+    per_sm = _max_programs_per_sm(num_warps)
     num_partials = max(1, min(triton.cdiv(M, rows), _num_sms() * per_sm // (ngroups * slabs)))
     rowstats = (M * ngroups, 2) if slabs > 1 else None
     return (2 if has_bias else 1, num_partials, N), rowstats
@@ -676,15 +684,16 @@ def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None
 def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dresidual_out=None,
              dresidual=None, z=None, dz=None, rowstats=None, counters=None, is_rms_norm: bool = False,
              weight_offset: float = 0.0, group_size=None, norm_before_gate: bool = True,
-             max_block: int = BWD_MAX_BLOCK, rows=None, num_warps=None, programs_per_sm=None, num_stages=None,
+             max_block: int = BWD_MAX_BLOCK, rows=None, num_warps=None, num_stages=None,
              reload_weight=True) -> None:
     """Gradients of ``norm_fwd``. ``h`` is what the forward normalised before gating: residual_out
     when it stored one, else x. Writes dx (= dh, plus dresidual_out), dresidual (dh in the
     residual's dtype, when that differs from dx's), dz (gated), dweight and dbias; ``partials`` and
     ``rowstats`` are workspaces shaped by ``bwd_workspace_shapes``. ``counters``: an int32
     [COUNTERS] workspace of zeros (left zeroed); given, a backward of one column slab and one group
-    sums dweight/dbias in its own (cooperative) launch instead of a second kernel's. ``max_block``,
-    ``rows``, ``num_warps`` and ``programs_per_sm`` as there. ``num_stages``: software-pipelining depth of
+    sums dweight/dbias in its own (cooperative) launch instead of a second kernel's, when the
+    cooperative grid fits on the GPU (else the two kernels run). ``max_block``, ``rows`` and
+    ``num_warps`` as there. ``num_stages``: software-pipelining depth of
     the row loop (1: none; default ``_bwd_stages``); ``reload_weight``: read the weight each row
     (from L1) rather than holding it in registers across rows (tuning)."""
     M, N = _matrix_shape("h", h)
@@ -725,28 +734,28 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dr
                              (h, z, weight, None if is_rms_norm else mean, rstd, dy, rowstats, M, G, ngroups,
                               stride_h, stride_z, stride_dy, float(weight_offset)),
                              (is_rms_norm, z is not None, norm_before_gate, block_n), (("num_warps", _warps(block_n)),))
-        # the partial sums in the same launch: needs every program resident (a cooperative launch;
-        # never in the interpreter, which runs programs one after another)
-        fuse = counters is not None and ngroups * slabs == 1 and not triton.knobs.runtime.interpret
-        constexprs = (is_rms_norm, dbias is not None, dresidual_out is not None, dresidual is not None, z is not None,
-                      norm_before_gate, slabs > 1, slabs, rows, block_n, num_stages, reload_weight, fuse,
-                      _FUSED_SUM_BLOCK_P, _FUSED_SUM_BLOCK_N)
-        options = (("num_warps", num_warps),) + ((("launch_cooperative_grid", True),) if fuse else ())
-        tensors = (h, z, weight, None if is_rms_norm else mean, rstd, dy, dresidual_out,
-                   rowstats if slabs > 1 else None, dx, dresidual, dz, partials) + \
-                  ((dweight, dbias, counters) if fuse else (None, None, None))
         scalars = (num_partials * N, stride_h, stride_z, stride_dy, stride_dres_out, stride_dx, stride_dres, stride_dz,
                    float(weight_offset))
 
-        def args(programs):
-            return tensors + (M, G, ngroups, programs) + scalars
+        def launch_args(fuse, programs):
+            tensors = (h, z, weight, None if is_rms_norm else mean, rstd, dy, dresidual_out,
+                       rowstats if slabs > 1 else None, dx, dresidual, dz, partials) + \
+                      ((dweight, dbias, counters) if fuse else (None, None, None))
+            constexprs = (is_rms_norm, dbias is not None, dresidual_out is not None, dresidual is not None,
+                          z is not None, norm_before_gate, slabs > 1, slabs, rows, block_n, num_stages, reload_weight,
+                          fuse, _FUSED_SUM_BLOCK_P, _FUSED_SUM_BLOCK_N)
+            options = (("num_warps", num_warps),) + ((("launch_cooperative_grid", True),) if fuse else ())
+            return tensors + (M, G, ngroups, programs) + scalars, constexprs, options
 
-        resident = _resident_programs_per_sm(_launch_bwd, tensors, lambda: args(1), constexprs, options, num_warps)
-        per_sm = programs_per_sm or resident
-        if fuse:  # a cooperative launch fails when more programs are asked for than fit at once
-            per_sm = min(per_sm, resident)
+        # the partial sums in the same launch: needs every program resident (a cooperative launch;
+        # never in the interpreter, which runs programs one after another)
+        fuse = counters is not None and ngroups * slabs == 1 and not triton.knobs.runtime.interpret
+        per_sm = _resident_programs_per_sm(_launch_bwd, *launch_args(fuse, 1), num_warps)
+        if fuse and per_sm == 0:  # the kernel cannot be co-resident at all: the two-kernel sums
+            fuse = False
+            per_sm = _resident_programs_per_sm(_launch_bwd, *launch_args(fuse, 1), num_warps)
         programs = max(1, min(num_partials, triton.cdiv(M, rows), _num_sms() * per_sm // (ngroups * slabs)))
-        _launch_bwd((programs, ngroups * slabs), args(programs), constexprs, options)
+        _launch_bwd((programs, ngroups * slabs), *launch_args(fuse, programs))
         if fuse:
             return
     # with no rows dweight and dbias are sums over no partial rows: zeros
@@ -778,6 +787,12 @@ def compile_cases():
             norm_bwd(ro, w, s, s, x, x, w, T.SpecTensor(p, f32), dbias=b, dresidual_out=ro, dresidual=ro)
         yield f"layer_norm_bwd[{dtype},N={N},fused sums]", lambda x=x, w=w, b=b, s=stat, p=partials: \
             norm_bwd(x, w, s, s, x, x, w, T.SpecTensor(p, f32), dbias=b, counters=T.SpecTensor((COUNTERS,), "int32"))
+
+        M, N = 4096, 3000  # a row width that is not a multiple of 16 compiles to another kernel
+        x, w, stat = T.SpecTensor((M, N), dtype), T.SpecTensor((N,), f32), T.SpecTensor((M,), f32)
+        partials, _ = bwd_workspace_shapes(M, N, True)
+        yield f"layer_norm_bwd[{dtype},N={N},fused sums]", lambda x=x, w=w, s=stat, p=partials: \
+            norm_bwd(x, w, s, s, x, x, w, T.SpecTensor(p, f32), dbias=w, counters=T.SpecTensor((COUNTERS,), "int32"))
 
         M, N = 64, 65536
         x, w, stat = T.SpecTensor((M, N), dtype), T.SpecTensor((N,), dtype), T.SpecTensor((M,), f32)
