@@ -12,11 +12,12 @@ from paddlenlp_fused.distributed.comm import ParallelGroup
 from paddlenlp_fused.kernels.triton import fused_dense as triton_kernels
 from paddlenlp_fused.layers.fused_dense import FusedDense, FusedMLP
 from paddlenlp_fused.layers.tensor_parallel import ColumnParallelLinear, ParallelFusedMLP, RowParallelLinear
+from paddlenlp_fused.ops import fused_dense as fused_dense_ops
 from paddlenlp_fused.ops.fused_dense import ACTIVATIONS, fused_dense_func, fused_mlp_func, record_saved_activations
 from paddlenlp_fused.reference.fused_dense import activation_ref
 from paddlenlp_fused.runtime.backend import BackendUnavailableError
 from paddlenlp_fused.runtime.triton_paddle import triton_args
-from paddlenlp_fused.testing.numerics import assert_close, rel_err
+from paddlenlp_fused.testing.numerics import assert_close, assert_close_to_terms, rel_err
 from helpers import as_leaf64, randn, to64
 
 GATED = ("swiglu", "geglu")
@@ -270,3 +271,145 @@ def test_empty_batch_falls_back_to_the_reference():
     assert list(out.shape) == [0, 4]
     dx, dw1, db1, dw2, db2 = paddle.grad(out, [x, w1, b1, w2, b2], paddle.zeros([0, 4]))
     assert list(dx.shape) == [0, 8] and not np.any(dw1.numpy()) and not np.any(db2.numpy())
+
+
+def _poisoned(shape, dtype):
+    return paddle.full(list(shape), float("nan"), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("shape", [(1, 1), (15, 33), (70, 5)], ids=str)
+def test_activation_backward_pass_with_bias_gradient(dtype, shape):
+    """act_bwd_dbias: dpre = dout * act'(pre) and its column sums in one pass (row splits summed in a
+    second kernel); column_sum alone. Outputs poisoned, rows at a stride past their width."""
+    M, N = shape
+    for activation in ("gelu_approx", "gelu", "relu", "sqrelu"):
+        pre = randn((M, N + 3), dtype)[:, 2:2 + N]  # a column slice: row stride N + 3
+        dout = randn((M, N), dtype)
+        dpre, dbias = _poisoned((M, N), dtype), _poisoned((N,), dtype)
+        partial = _poisoned(triton_kernels.colsum_partial_shape(M, N), "float32")
+        triton_kernels.act_bwd_dbias(*triton_args(pre, dout, dpre, dbias, partial), activation=activation)
+        again = _poisoned((M, N), dtype)
+        triton_kernels.act_bwd(*triton_args(pre.contiguous(), dout, again), activation=activation)
+        np.testing.assert_array_equal(to64(dpre), to64(again), err_msg=activation)  # the elementwise kernel's values
+        h = as_leaf64(pre)
+        act = activation_ref(h, activation)
+        (grad,) = paddle.grad(act, [h], paddle.to_tensor(to64(dout)))
+        assert_close(f"{activation} dpre", to64(dpre), grad.numpy(), dtype)
+        stored = to64(dpre)  # the bias gradient sums the stored dpre in fp32
+        assert_close_to_terms(f"{activation} dbias", to64(dbias), stored.sum(0), np.abs(stored).sum(0), dtype)
+    out = _poisoned((N,), "float32")
+    partial = _poisoned(triton_kernels.colsum_partial_shape(M, N), "float32")
+    triton_kernels.column_sum(*triton_args(dout, out, partial))
+    assert_close_to_terms("column_sum", out.numpy(), to64(dout).sum(0), np.abs(to64(dout)).sum(0), "float32")
+
+
+def test_column_sum_passes_reject_bad_workspaces():
+    pre, dout, dpre, dbias = randn((9, 6)), randn((9, 6)), randn((9, 6)), randn((6,))
+    shape = triton_kernels.colsum_partial_shape(9, 6)
+    with pytest.raises(ValueError, match="partial: expected shape"):
+        triton_kernels.act_bwd_dbias(*triton_args(pre, dout, dpre, dbias, randn((shape[0] + 1, 6))), "relu")
+    with pytest.raises(TypeError, match="partial: expected dtype float32"):
+        triton_kernels.column_sum(*triton_args(dout, dbias, randn(shape, "bfloat16")))
+    with pytest.raises(TypeError, match="pre: expected dtype float32"):
+        triton_kernels.act_bwd_dbias(*triton_args(pre.astype("bfloat16"), dout, dpre, dbias, randn(shape)), "relu")
+    with pytest.raises(ValueError, match="activation"):
+        triton_kernels.act_bwd_dbias(*triton_args(pre, dout, dpre, dbias, randn(shape)), "none")
+
+
+@pytest.fixture
+def plain_gemm_backward(monkeypatch):
+    """The Triton kernel set run in the CUDA backend's backward order: plain input-gradient GEMMs,
+    the activation's backward in the Triton pass that also sums the hidden bias's gradient, and
+    weight-gradient GEMMs without it."""
+    monkeypatch.setattr(fused_dense_ops._TritonKernels, "bwd_epilogue", frozenset())
+    monkeypatch.setattr(fused_dense_ops._TritonKernels, "dbias_in_act_pass", True)
+
+
+@pytest.mark.parametrize("activation", ["gelu_approx", "relu", "swiglu"])
+def test_bias_gradient_from_the_activation_pass(plain_gemm_backward, activation):
+    """The backward order of the CUDA backend, run with Triton kernels: values against float64 and
+    the plain bf16 composition, and bit-identical at every checkpoint level."""
+    x = randn((3, 7, 16), "bfloat16", requires_grad=True)
+    params = _mlp_params(activation, "bfloat16")
+    dy = randn((3, 7, 12), "bfloat16")
+    results = [_run_mlp(x, params, dy, activation=activation, checkpoint_lvl=level, backend="triton")
+               for level in (0, 1, 2)]
+    _check_against_float64(results[0], x, *params, activation, dy, "bfloat16")
+    for level in (1, 2):
+        for name, a, b in zip(NAMES, results[0], results[level]):
+            np.testing.assert_array_equal(to64(a), to64(b), err_msg=f"{name} at level {level} vs 0")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_amp_o1_float32_parameters_with_low_precision_activations(dtype):
+    """AMP O1 (fp32 master weights, 16-bit activations): matmuls in x's dtype, as Paddle's O1 casts
+    them; the fp32 parameters get fp32 gradients equal to the 16-bit ones. Raised TypeError before."""
+    x = randn((2, 5, 16), dtype, requires_grad=True)
+    params32 = _mlp_params("gelu_approx", "float32")
+    dy = randn((2, 5, 12), dtype)
+    with paddle.amp.auto_cast(level="O1", dtype=dtype):  # a no-op in Paddle's CPU build; the op must agree
+        out = fused_mlp_func(x, *params32, activation="gelu_approx", backend="triton")
+    grads = paddle.grad(out, [x] + list(params32), dy)
+    assert out.dtype == x.dtype and grads[0].dtype == x.dtype
+    assert all(g.dtype == paddle.float32 for g in grads[1:])
+    cast = [paddle.to_tensor(p.numpy()).astype(dtype) for p in params32]
+    for p in cast:
+        p.stop_gradient = False
+    ref = _run_mlp(x, cast, dy, activation="gelu_approx", backend="triton")
+    ordered = [out, grads[0], grads[1], grads[2], grads[3], grads[4]]  # out, dx, dw1, dw2, db1, db2
+    for name, a, b in zip(NAMES, ordered, ref):
+        np.testing.assert_array_equal(to64(a), to64(b), err_msg=name)
+    _check_against_float64(ref, x, *cast, "gelu_approx", dy, dtype)
+
+    w, b = randn((16, 9), "float32", requires_grad=True), randn((9,), "float32", requires_grad=True)
+    dense = fused_dense_func(x, w, b, backend="triton")
+    dx, dw, db = paddle.grad(dense, [x, w, b], randn((2, 5, 9), dtype))
+    assert dense.dtype == x.dtype and dw.dtype == paddle.float32 and db.dtype == paddle.float32
+
+    layer = FusedMLP(16, 24, 12, backend="triton")  # fp32 parameters
+    out = layer(x)
+    out.astype("float32").sum().backward()
+    assert out.dtype == x.dtype and layer.fc1.weight.grad.dtype == paddle.float32
+
+
+def test_amp_autocast_casts_float32_inputs(monkeypatch):
+    """Inside an active auto_cast (simulated: Paddle's CPU build never enables it) float32 x and
+    parameters run in its dtype, as the O1 white list casts matmul's inputs."""
+    x = randn((6, 16), "float32", requires_grad=True)
+    params = _mlp_params("relu", "float32")
+    dy = randn((6, 12), "bfloat16")
+    monkeypatch.setattr(paddle.amp, "is_autocast_enabled", lambda *a, **k: True)
+    monkeypatch.setattr(paddle.amp, "get_autocast_dtype", lambda *a, **k: paddle.bfloat16)
+    out = fused_mlp_func(x, *params, activation="relu", backend="triton")
+    grads = paddle.grad(out, [x] + list(params), dy)
+    monkeypatch.undo()
+    assert out.dtype == paddle.bfloat16 and all(g.dtype == paddle.float32 for g in grads)
+    leaves = [paddle.to_tensor(t.numpy()).astype("bfloat16") for t in [x] + list(params)]
+    for t in leaves:
+        t.stop_gradient = False
+    ref = fused_mlp_func(*leaves, activation="relu", backend="triton")
+    ref_grads = paddle.grad(ref, leaves, dy)
+    np.testing.assert_array_equal(to64(out), to64(ref))
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_array_equal(to64(g), to64(r))
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_gradients_accumulate_when_one_tensor_is_several_inputs(backend):
+    """One tensor as weight1 and weight2, and x feeding another branch: Paddle adds the gradients
+    the op returns, so each must be its own tensor (none aliasing another, an input or a saved one)."""
+    D = 12
+    x = randn((5, D), "float32", requires_grad=True)
+    w = randn((D, D), "float32", scale=D**-0.5, requires_grad=True)
+    b = randn((D,), "float32", requires_grad=True)
+    dy = randn((5, D), "float32")
+
+    def grads(mlp):
+        out = mlp(x, w, b) + x * 2.0 + fused_dense_func(x, w, b, backend=backend)
+        return [out] + list(paddle.grad(out, [x, w, b], dy))
+
+    ours = grads(lambda x, w, b: fused_mlp_func(x, w, w, b, b, activation="relu", backend=backend))
+    plain = grads(lambda x, w, b: paddle.matmul(paddle.nn.functional.relu(paddle.matmul(x, w) + b), w) + b)
+    for name, a, r in zip(("out", "dx", "dweight", "dbias"), ours, plain):
+        assert_close(name, to64(a), to64(r), "float32")

@@ -11,21 +11,23 @@ Policy (every decision of this module is here)
 backend        "auto": on a GPU the CUDA backend (cuBLASLt epilogues) when the library is built and
                cuBLASLt loads, else Triton; on the CPU Triton in interpreter mode, else the reference
                (Paddle autograd). Problems with an empty dimension run the reference.
-activation     Where each activation and its derivative run (``_FWD_EPILOGUE``, ``_BWD_EPILOGUE``):
+activation     Where each activation, its derivative and the bias gradients run:
                  triton: GEMM1's epilogue applies gelu_approx / gelu / relu / sqrelu (saving the
-                         pre-activation) and the input-gradient GEMM's epilogue their derivative.
-                 cuda:   GEMM1's GELU_AUX_BIAS epilogue applies gelu_approx and saves the
-                         pre-activation, for 16-bit dtypes and a hidden width divisible by 8 (so
-                         the saved pre-activation is a plain [M, H] tensor). The backward uses no
-                         activation epilogue: measured on the H200 at the benchmark's shape,
-                         DGELU_BGRAD took 4.65 ms against 3.22 ms for the plain GEMM (+ ~0.4 ms for
-                         the elementwise backward), and the 16-bit RELU_AUX mask disagrees with the
-                         sign of the epilogue's own output near zero (bf16 dReLU errors of 3-14%).
-                         float32 keeps GELU out of cuBLASLt, whose tanh is approximate (3.5e-5 seen).
+                         pre-activation) and the input-gradient GEMM's epilogue their derivative;
+                         bias gradients come with the weight-gradient GEMM (GEMM + column sums).
+                 cuda:   every backward GEMM is a plain GEMM (no DGELU/DRELU epilogue: slower than the
+                         plain GEMM plus a pass, and the 16-bit RELU_AUX mask disagrees with the sign
+                         of the epilogue's own output near zero). gelu_approx goes into GEMM1's
+                         GELU_AUX_BIAS epilogue when ``tuning.FWD_GELU_EPILOGUE``, for 16-bit dtypes
+                         and a hidden width divisible by 8 (the saved pre-activation is then a plain
+                         [M, H] tensor; float32 keeps GELU out of cuBLASLt, whose tanh is
+                         approximate). Bias gradients: from BGRADA epilogues when
+                         ``tuning.BGRAD_EPILOGUE``, else from Triton passes: the hidden bias's inside
+                         the activation-backward pass (dpre = act'(pre) * dact, and its column sums),
+                         the others by a column-sum pass. Measurements: benchmarks/NOTES.md.
                Otherwise GEMM1 adds the bias, an elementwise kernel applies the activation (the gated
                ones: gated_activation.py), and its backward runs between the input-gradient GEMM and
-               the weight-gradient GEMM. Every weight gradient comes with its bias gradient from one
-               call (cuBLASLt's BGRADA epilogue; Triton's GEMM + column sums).
+               the weight-gradient GEMM.
 checkpoint_lvl 0 saves x, the pre-activation and the activation output; 1 saves x and the
                pre-activation and recomputes the activation output in backward; 2 saves only x and
                recomputes both. Gradients are bit-identical across levels because a recomputation
@@ -34,9 +36,14 @@ checkpoint_lvl 0 saves x, the pre-activation and the activation output; 1 saves 
                elementwise kernel agree bit for bit) or, for cuBLASLt's GELU epilogue, which activates
                the unrounded accumulator, GEMM1 itself (level 1 then costs what level 2 costs).
                ``record_saved_activations()`` measures the bytes each level keeps.
-heuristic      "auto" = ``kernels.cuda.fused_dense.AUTO_HEURISTIC``: the index into cuBLASLt's algorithm
-               list that was fastest for the MLP benchmark on the H200 (benchmarks/results/mlp.json);
-               ignored by Triton.
+heuristic      "auto": per GEMM, the index into cuBLASLt's algorithm list that
+               ``kernels.cuda.fused_dense_tuning.heuristic`` gives for its kind and shape (the
+               fastest in the MLP benchmark, else 0); an int: that index for every GEMM. Ignored by
+               Triton.
+dtypes (AMP)   Weights and biases of float32 with float16 / bfloat16 x (AMP O1: master weights) are
+               cast to x's dtype, and inside an active ``paddle.amp.auto_cast`` float32 x and
+               parameters are cast to its dtype, as Paddle's O1 white list casts matmul's inputs;
+               the casts are ordinary autograd ops, so float32 parameters get float32 gradients.
 parallel       With ``process_group``: weight1/bias1 are this rank's column shard and weight2 its row
                shard. ``sequence_parallel``: x is this rank's rows (sequence axis 0), all-gathered
                before GEMM1 inside the fused function (x is saved sharded and gathered again in
@@ -54,7 +61,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from ..distributed import comm
-from ..kernels.cuda.fused_dense import AUTO_HEURISTIC
+from ..kernels.cuda import fused_dense_tuning as tuning
 from ..kernels.triton import fused_dense as triton_kernels
 from ..kernels.triton.gated_activation import gated_activation_bwd, gated_activation_fwd
 from ..reference.fused_dense import GATED, fused_dense_ref, fused_mlp_ref
@@ -65,8 +72,7 @@ from ._checks import check_tensor, contiguous, device_of
 
 ACTIVATIONS = ("gelu_approx", "gelu", "relu", "sqrelu", "swiglu", "geglu")
 _TRITON_EPILOGUE = frozenset({"gelu_approx", "gelu", "relu", "sqrelu"})
-_FWD_EPILOGUE = {"triton": _TRITON_EPILOGUE, "cuda": frozenset({"gelu_approx"}), "cuda_float32": frozenset()}
-_BWD_EPILOGUE = {"triton": _TRITON_EPILOGUE, "cuda": frozenset()}
+_CUDA_FWD_EPILOGUE = frozenset({"gelu_approx"}) if tuning.FWD_GELU_EPILOGUE else frozenset()
 CHECKPOINT_LEVELS = (0, 1, 2)
 _recorders: List[List[int]] = []
 
@@ -107,26 +113,33 @@ def _elementwise_act(pre, activation):
     return out
 
 
-def _elementwise_act_bwd(pre, dact, activation):
+def _elementwise_act_bwd(pre, dact, activation, with_dbias=False):
+    """(dpre, its column sums when ``with_dbias`` (non-gated activations) else None)."""
     dpre = _empty(pre.shape, pre)
     if activation in GATED:
         gated_activation_bwd(*triton_args(pre, dact, dpre), activation=GATED[activation])
-    else:
-        triton_kernels.act_bwd(*triton_args(pre, dact, dpre), activation=activation)
-    return dpre
+        return dpre, None
+    if with_dbias:
+        dbias = _empty([pre.shape[1]], pre)
+        partial = _empty(triton_kernels.colsum_partial_shape(*pre.shape), pre, "float32")
+        triton_kernels.act_bwd_dbias(*triton_args(pre, dact, dpre, dbias, partial), activation=activation)
+        return dpre, dbias
+    triton_kernels.act_bwd(*triton_args(pre, dact, dpre), activation=activation)
+    return dpre, None
 
 
 class _TritonKernels:
     name = "triton"
-    bwd_epilogue = _BWD_EPILOGUE["triton"]
+    bwd_epilogue = _TRITON_EPILOGUE
+    dbias_in_act_pass = False  # the bias gradient comes with the weight-gradient GEMM
     recompute_by_gemm = False  # the epilogue's activation equals the elementwise kernel's
 
-    def __init__(self, heuristic: int, dtype: str):
+    def __init__(self, heuristic: Optional[int], dtype: str):
         del heuristic, dtype  # Triton autotunes; every dtype takes every epilogue
 
     def fuses_forward(self, activation: str, width: int) -> bool:
         """Whether GEMM1's epilogue applies ``activation`` (and saves the pre-activation)."""
-        return activation in _FWD_EPILOGUE["triton"]
+        return activation in _TRITON_EPILOGUE
 
     def linear(self, x, w, bias=None, activation="none", with_aux=False):
         """(act(x @ w + bias), saved pre-activation or None)."""
@@ -160,16 +173,23 @@ class _TritonKernels:
 
 class _CudaKernels:
     name = "cuda"
-    bwd_epilogue = _BWD_EPILOGUE["cuda"]
+    bwd_epilogue = frozenset()
+    dbias_in_act_pass = not tuning.BGRAD_EPILOGUE
     recompute_by_gemm = True  # cuBLASLt activates the unrounded accumulator: only GEMM1 repeats it
     _workspace_bytes: dict = {}
 
-    def __init__(self, heuristic: int, dtype: str):
+    def __init__(self, heuristic: Optional[int], dtype: str):
         from ..kernels.cuda import fused_dense as cuda_kernels
 
         self.k = cuda_kernels
-        self.heuristic = heuristic
-        self.fwd_epilogue = _FWD_EPILOGUE["cuda_float32" if dtype == "float32" else "cuda"]
+        self.fixed_heuristic = heuristic
+        self.dtype = dtype
+        self.fwd_epilogue = frozenset() if dtype == "float32" else _CUDA_FWD_EPILOGUE
+
+    def heuristic(self, kind, M, N, K) -> int:
+        if self.fixed_heuristic is not None:
+            return self.fixed_heuristic
+        return tuning.heuristic(kind, self.dtype, M, N, K)
 
     def fuses_forward(self, activation: str, width: int) -> bool:
         return activation in self.fwd_epilogue and width % 8 == 0
@@ -189,19 +209,27 @@ class _CudaKernels:
         if with_aux:
             shape, dtype = self.k.aux_shape(activation, M, N)
             aux = _empty(shape, x, dtype)
+        kind = ("fwd_bias" if bias is not None else "fwd") + ("_gelu_aux" if activation == "gelu_approx" else "")
         self.k.linear_act_fwd(x, w, out, self.workspace(x), bias=bias, activation=activation, aux=aux,
-                              heuristic=self.heuristic)
+                              heuristic=self.heuristic(kind, M, N, x.shape[1]))
         return out, aux
 
     def linear_t(self, dy, w):
         out = _empty([dy.shape[0], w.shape[0]], dy)
-        self.k.linear_act_fwd(dy, w, out, self.workspace(dy), weight_transposed=True, heuristic=self.heuristic)
+        self.k.linear_act_fwd(dy, w, out, self.workspace(dy), weight_transposed=True,
+                              heuristic=self.heuristic("dgrad", dy.shape[0], w.shape[0], w.shape[1]))
         return out
 
     def wgrad(self, x, dy, with_dbias):
         dw = _empty([x.shape[1], dy.shape[1]], x)
+        in_epilogue = with_dbias and tuning.BGRAD_EPILOGUE
         db = _empty([dy.shape[1]], dy) if with_dbias else None
-        self.k.linear_wgrad(x, dy, dw, self.workspace(x), dbias=db, heuristic=self.heuristic)
+        self.k.linear_wgrad(x, dy, dw, self.workspace(x), dbias=db if in_epilogue else None,
+                            heuristic=self.heuristic("wgrad_bgrad" if in_epilogue else "wgrad", x.shape[1],
+                                                     dy.shape[1], x.shape[0]))
+        if with_dbias and not in_epilogue:
+            partial = _empty(triton_kernels.colsum_partial_shape(*dy.shape), dy, "float32")
+            triton_kernels.column_sum(*triton_args(dy, db, partial))
         return dw, db
 
 
@@ -289,15 +317,18 @@ class _FusedMLPFunction(PyLayer):
         elif need_b2:
             db2 = _bias_grad(dout)
         del out1
+        db1 = None
         if cfg.activation in K.bwd_epilogue:
             dpre = K.linear_act_grad(dout, weight2, aux, cfg.activation)
         else:
-            dpre = _elementwise_act_bwd(aux, K.linear_t(dout, weight2), cfg.activation)
+            dpre, db1 = _elementwise_act_bwd(aux, K.linear_t(dout, weight2), cfg.activation,
+                                             with_dbias=need_b1 and K.dbias_in_act_pass)
         del aux
-        dw1 = db1 = None
+        dw1 = None
         if need_w1:
-            dw1, db1 = K.wgrad(total_x, dpre, with_dbias=need_b1)
-        elif need_b1:
+            dw1, db1_gemm = K.wgrad(total_x, dpre, with_dbias=need_b1 and db1 is None)
+            db1 = db1 if db1 is not None else db1_gemm
+        elif need_b1 and db1 is None:
             db1 = _bias_grad(dpre)
         dx = _reduce_input_grad(K.linear_t(dpre, weight1), cfg) if need_x else None
         grads = [dx, dw1, dw2]
@@ -338,6 +369,25 @@ class _FusedDenseFunction(PyLayer):
 
 # ---- argument checks and dispatch ----------------------------------------------------------------
 
+def _amp_cast(x, params):
+    """(x, params) in the dtype Paddle's AMP O1 white list gives matmul's inputs: inside an active
+    auto_cast, float32 tensors in its dtype; outside, float32 params in a 16-bit x's dtype. Other
+    mixes are left for the dtype checks to reject."""
+    def is_fp32(t):
+        return isinstance(t, paddle.Tensor) and t.dtype == paddle.float32
+
+    target = None
+    if paddle.amp.is_autocast_enabled():
+        target = str(paddle.amp.get_autocast_dtype()).split(".")[-1]
+        if is_fp32(x):
+            x = x.astype(target)
+    elif isinstance(x, paddle.Tensor) and x.dtype in (paddle.float16, paddle.bfloat16):
+        target = T.dtype_name(x)
+    if target is not None:
+        params = [p.astype(target) if is_fp32(p) else p for p in params]
+    return x, params
+
+
 def _check_weight(name, w, rows, dtype, what):
     check_tensor(name, w, min_ndim=2)
     if w.ndim != 2 or (rows is not None and w.shape[0] != rows):
@@ -357,9 +407,10 @@ def _check_bias(name, b, size, dtype):
         raise TypeError(f"{name}: expected dtype {T.dtype_name(dtype)} (x's), got {T.dtype_name(b)}")
 
 
-def _resolve_heuristic(heuristic) -> int:
+def _resolve_heuristic(heuristic) -> Optional[int]:
+    """None for "auto" (the tuning table's index per GEMM), else the index for every GEMM."""
     if heuristic == "auto":
-        return AUTO_HEURISTIC
+        return None
     if isinstance(heuristic, bool) or not isinstance(heuristic, int) or heuristic < 0:
         raise ValueError(f"heuristic: expected 'auto' or an index >= 0 into cuBLASLt's algorithm list, "
                          f"got {heuristic!r}")
@@ -409,6 +460,8 @@ def fused_dense_func(x: paddle.Tensor, weight: paddle.Tensor, bias: Optional[pad
     reduce-scattered), else x is replicated (its gradient all-reduced). The output is not reduced.
     """
     check_tensor("x", x)
+    residual = x
+    x, (weight, bias) = _amp_cast(x, [weight, bias])
     _check_weight("weight", weight, x.shape[-1], x.dtype, "x's last axis = in")
     _check_bias("bias", bias, weight.shape[1], x.dtype)
     pg = comm.as_parallel_group(process_group)
@@ -423,14 +476,14 @@ def fused_dense_func(x: paddle.Tensor, weight: paddle.Tensor, bias: Optional[pad
             x_in = comm.all_gather_sequence(x, pg) if sequence_parallel else comm.copy_to_parallel(x, pg)
         out = fused_dense_ref(x_in, weight, bias)
     else:
-        cfg = _Config(_KERNELS[chosen](AUTO_HEURISTIC, T.dtype_name(x)), "none", 0, pg, sequence_parallel, True)
+        cfg = _Config(_KERNELS[chosen](None, T.dtype_name(x)), "none", 0, pg, sequence_parallel, True)
         x2d = contiguous(x).reshape([-1, x.shape[-1]])
         if _needs_grad(x, weight, bias):
             out2d = _FusedDenseFunction.apply(x2d, weight, bias, cfg)
         else:
             out2d = cfg.kernels.linear(_gather_input(x2d, cfg), weight, bias)[0]
         out = out2d.reshape(_lead_shape(x, pg, sequence_parallel) + [weight.shape[1]])
-    return (out, x) if return_residual else out
+    return (out, residual) if return_residual else out
 
 
 def check_mlp_options(activation: str, checkpoint_lvl: int) -> None:
@@ -453,6 +506,8 @@ def fused_mlp_func(x: paddle.Tensor, weight1: paddle.Tensor, weight2: paddle.Ten
     check_tensor("x", x)
     check_mlp_options(activation, checkpoint_lvl)
     heuristic_index = _resolve_heuristic(heuristic)
+    residual = x
+    x, (weight1, weight2, bias1, bias2) = _amp_cast(x, [weight1, weight2, bias1, bias2])
     _check_weight("weight1", weight1, x.shape[-1], x.dtype, "x's last axis = in")
     _check_weight("weight2", weight2, None, x.dtype, "[hidden, out]")
     hidden = weight2.shape[0]
@@ -494,4 +549,4 @@ def fused_mlp_func(x: paddle.Tensor, weight1: paddle.Tensor, weight2: paddle.Ten
         out = comm.reduce_scatter_sequence(out, pg) if sequence_parallel else comm.reduce_from_parallel(out, pg)
         if bias2 is not None:
             out = out + bias2
-    return (out, x) if return_residual else out
+    return (out, residual) if return_residual else out

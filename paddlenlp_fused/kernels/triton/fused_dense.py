@@ -17,7 +17,10 @@ GEMM's main loop gave a wrong dW (6.6% error) with the 128x256 3-stage tile on s
 the other tiles were right), so the reduction stays out of the pipelined loop.
 
 Elementwise ``act_fwd(pre, out)``, ``act_bwd(pre, dout, dpre)`` on contiguous tensors of any shape
-(the gated activations are ``gated_activation.py``'s kernels).
+(the gated activations are ``gated_activation.py``'s kernels). Column-sum passes for GEMMs that
+leave the bias gradient out of their epilogue: ``act_bwd_dbias`` (the activation's backward and the
+bias gradient of its result, one pass) and ``column_sum``; each program sums a block of columns over
+a share of the rows into a float32 workspace, which a second small kernel sums in order.
 
 Tuned for sm_90: 128x256 / 256x128 / 128x128 tiles, BLOCK_K 64, 8 warps, 3-4 stages, grouped
 program order for L2 reuse; autotuned per problem. Triton's interpreter (CPU suite) runs the same
@@ -283,6 +286,108 @@ def act_bwd(pre, dout, dpre, activation: str) -> None:
                               BLOCK=block, num_warps=8)
 
 
+@triton.jit
+def _act_bwd_colsum_kernel(pre_ptr, dout_ptr, dpre_ptr, partial_ptr, M, N, rows_per_split,
+                           stride_pre, stride_dout, stride_dpre,
+                           ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Over this program's rows [split * rows_per_split, ...) and BLOCK_N columns: dpre = dout *
+    act'(pre) (rounded to dpre's dtype, then summed, so the sums are those of the stored values),
+    and the fp32 column sums into partial[split, :]. ACTIVATION 0: the column sums of dout only."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    row_start = split * rows_per_split
+    row_end = tl.minimum(row_start + rows_per_split, M)
+    rm = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for m0 in range(row_start, row_end, BLOCK_M):
+        rows = (m0 + rm).to(tl.int64)[:, None]
+        mask = ((m0 + rm) < row_end)[:, None] & (cols < N)[None, :]
+        d = tl.load(dout_ptr + rows * stride_dout + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if ACTIVATION != 0:
+            x = tl.load(pre_ptr + rows * stride_pre + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            _, grad = _act_and_grad(x, ACTIVATION)
+            d = (d * grad).to(dpre_ptr.dtype.element_ty)
+            tl.store(dpre_ptr + rows * stride_dpre + cols[None, :], d, mask=mask)
+            d = d.to(tl.float32)
+        acc += d
+    tl.store(partial_ptr + split.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=cols < N)
+
+
+@triton.jit
+def _sum_partials_kernel(partial_ptr, out_ptr, splits, N, BLOCK_N: tl.constexpr):
+    """out[N] = sum over s of partial[s, N], in order of s (deterministic)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s in range(0, splits):
+        acc += tl.load(partial_ptr + s * N + cols, mask=cols < N, other=0.0)
+    tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < N)
+
+
+# Column-sum passes: tiles of BLOCK_M x BLOCK_N, the rows split so that about _COLSUM_PROGRAMS
+# programs run (a few per SM: enough bytes in flight for a memory-bound pass).
+if INTERPRETING:
+    _COLSUM_TILE, _COLSUM_PROGRAMS, _COLSUM_WARPS = (8, 16), 16, 1
+else:
+    _COLSUM_TILE, _COLSUM_PROGRAMS, _COLSUM_WARPS = (32, 128), 1024, 4
+
+
+def colsum_partial_shape(M: int, N: int):
+    """Shape of the float32 workspace ``act_bwd_dbias`` and ``column_sum`` take for an [M, N] input:
+    (row splits, N)."""
+    block_m, block_n = _COLSUM_TILE
+    row_blocks = max(triton.cdiv(M, block_m), 1)
+    per_split = triton.cdiv(row_blocks, max(1, min(row_blocks, triton.cdiv(_COLSUM_PROGRAMS, triton.cdiv(N, block_n)))))
+    return (triton.cdiv(row_blocks, per_split), N)
+
+
+def _colsum_pass(pre, dout, dpre, dbias, partial, activation):
+    M, N = T.shape(dout)
+    for name, t in (("pre", pre), ("dpre", dpre)):
+        if t is not None:
+            T.check_rows(name, t, M, N)
+            if T.dtype_name(t) != T.dtype_name(dout):
+                raise TypeError(f"{name}: expected dtype {T.dtype_name(dout)} (dout's), got {T.dtype_name(t)}")
+    T.check_same_shape("dbias", dbias, (N,))
+    T.check_contiguous("dbias", dbias)
+    shape = colsum_partial_shape(M, N)
+    T.check_same_shape("partial", partial, shape)
+    T.check_contiguous("partial", partial)
+    if T.dtype_name(partial) != "float32":
+        raise TypeError(f"partial: expected dtype float32, got {T.dtype_name(partial)}")
+    if N == 0:
+        return
+    block_m, block_n = _COLSUM_TILE
+    splits = shape[0]
+    rows_per_split = triton.cdiv(max(triton.cdiv(M, block_m), 1), splits) * block_m
+    pre_, dpre_ = (pre, dpre) if pre is not None else (dout, dout)
+    _act_bwd_colsum_kernel[(triton.cdiv(N, block_n), splits)](
+        pre_, dout, dpre_, partial, M, N, rows_per_split, T.strides(pre_)[0], T.strides(dout)[0],
+        T.strides(dpre_)[0], ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=_COLSUM_WARPS)
+    _sum_partials_kernel[(triton.cdiv(N, 256),)](partial, dbias, splits, N, BLOCK_N=256, num_warps=4)
+
+
+def act_bwd_dbias(pre, dout, dpre, dbias, partial, activation: str) -> None:
+    """One pass over [M, N] matrices (last axis contiguous, rows at any stride): dpre = dout *
+    act'(pre) and dbias[N] = dpre.sum(0) (fp32 sums of the stored dpre, in a fixed order). ``partial``:
+    a float32 workspace of ``colsum_partial_shape(M, N)``."""
+    if activation not in ACTIVATIONS or activation == "none":
+        raise ValueError(f"activation: expected one of {sorted(set(ACTIVATIONS) - {'none'})}, got {activation!r}")
+    if len(T.shape(dout)) != 2:
+        raise ValueError(f"dout: expected a 2-D tensor [M, N], got shape {T.shape(dout)}")
+    T.check_rows("dout", dout, *T.shape(dout))
+    _colsum_pass(pre, dout, dpre, dbias, partial, activation)
+
+
+def column_sum(x, out, partial) -> None:
+    """out[N] = x.sum(0) for an [M, N] matrix x (last axis contiguous), in fp32 in a fixed order;
+    ``partial``: a float32 workspace of ``colsum_partial_shape(M, N)``."""
+    if len(T.shape(x)) != 2:
+        raise ValueError(f"x: expected a 2-D tensor [M, N], got shape {T.shape(x)}")
+    T.check_rows("x", x, *T.shape(x))
+    _colsum_pass(None, x, None, out, partial, "none")
+
+
 def compile_cases():
     """The compile-only check's launches: the GEMM's epilogue variants at the MLP's bf16 shape (every
     autotune config), fp16/fp32 plain GEMMs, and the elementwise kernels for each activation."""
@@ -307,3 +412,14 @@ def compile_cases():
         p, o = T.SpecTensor((M, H), bf16), T.SpecTensor((M, H), bf16)
         yield f"act_fwd[{activation}]", lambda p=p, o=o, a=activation: act_fwd(p, o, a)
         yield f"act_bwd[{activation}]", lambda p=p, o=o, a=activation: act_bwd(p, o, o, a)
+        ws = T.SpecTensor(colsum_partial_shape(M, H), "float32")
+        yield f"act_bwd_dbias[{activation}]", \
+            lambda p=p, o=o, a=activation, ws=ws: act_bwd_dbias(p, o, o, bias, ws, a)
+    for dtype in T.FLOAT_DTYPES:
+        p, o, b = T.SpecTensor((M, H), dtype), T.SpecTensor((M, H), dtype), T.SpecTensor((H,), dtype)
+        ws = T.SpecTensor(colsum_partial_shape(M, H), "float32")
+        yield f"act_bwd_dbias[{dtype},gelu_approx]", \
+            lambda p=p, o=o, b=b, ws=ws: act_bwd_dbias(p, o, o, b, ws, "gelu_approx")
+        y, db = T.SpecTensor((M, K), dtype), T.SpecTensor((K,), dtype)
+        yield f"column_sum[{dtype}]", \
+            lambda y=y, db=db: column_sum(y, db, T.SpecTensor(colsum_partial_shape(M, K), "float32"))
