@@ -1,9 +1,11 @@
 """Build script (metadata in pyproject.toml): builds the CUDA kernel library when nvcc is found.
 
 ``csrc/*.cu`` -> ``paddlenlp_fused/_lib/libpaddlenlp_fused_cuda.so`` for the archs in
-``PADDLENLP_FUSED_CUDA_ARCHS`` (default ``80;90``). Without nvcc, or with
-``PADDLENLP_FUSED_BUILD_CUDA=0``, the package installs without it and the ``cuda`` backend reports
-itself unavailable.
+``PADDLENLP_FUSED_CUDA_ARCHS`` (default ``80;90``). ``PADDLENLP_FUSED_BUILD_CUDA``: unset builds the
+library when nvcc is found and installs without it otherwise (the ``cuda`` backend then reports itself
+unavailable); ``1`` requires it (a cluster wheel must not silently come out pure); ``0`` skips it.
+A wheel that carries the library is tagged for the platform (``py3-none-linux_x86_64``): the library is
+not a CPython extension, so one wheel serves every Python version.
 """
 
 import importlib.util
@@ -13,7 +15,13 @@ import pathlib
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
+try:  # setuptools >= 70.1 ships bdist_wheel; older ones take it from the wheel package
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:
+    from wheel.bdist_wheel import bdist_wheel
+
 ROOT = pathlib.Path(__file__).resolve().parent
+MODE = os.environ.get("PADDLENLP_FUSED_BUILD_CUDA", "auto")
 
 
 def _load_builder():
@@ -23,18 +31,40 @@ def _load_builder():
     return module
 
 
+def _will_build_cuda() -> bool:
+    if MODE not in ("auto", "0", "1"):
+        raise SystemExit(f"PADDLENLP_FUSED_BUILD_CUDA: expected unset, '0' or '1', got {MODE!r}")
+    if MODE == "0":
+        return False
+    found = _load_builder().find_nvcc() is not None
+    if MODE == "1" and not found:
+        raise SystemExit("PADDLENLP_FUSED_BUILD_CUDA=1 but nvcc was not found (set NVCC or CUDA_HOME)")
+    if not found:
+        print("paddlenlp_fused: nvcc not found, installing without the CUDA kernel library")
+    return found
+
+
+BUILD_CUDA = _will_build_cuda()
+
+
 class BuildPyWithCuda(build_py):
     def run(self):
         super().run()
-        if os.environ.get("PADDLENLP_FUSED_BUILD_CUDA", "1") == "0":
-            return
-        builder = _load_builder()
-        if builder.find_nvcc() is None:
-            print("paddlenlp_fused: nvcc not found, installing without the CUDA kernel library")
+        if not BUILD_CUDA:
             return
         # Editable installs import from the source tree; regular builds package build_lib.
         base = ROOT if getattr(self, "editable_mode", False) else pathlib.Path(self.build_lib)
-        builder.build(base / "paddlenlp_fused" / "_lib")
+        _load_builder().build(base / "paddlenlp_fused" / "_lib")
 
 
-setup(cmdclass={"build_py": BuildPyWithCuda})
+class PlatformWheel(bdist_wheel):
+    def finalize_options(self):
+        super().finalize_options()
+        self.root_is_pure = not BUILD_CUDA
+
+    def get_tag(self):
+        tag = super().get_tag()
+        return tag if self.root_is_pure else ("py3", "none", tag[2])
+
+
+setup(cmdclass={"build_py": BuildPyWithCuda, "bdist_wheel": PlatformWheel})
