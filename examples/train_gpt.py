@@ -1,24 +1,23 @@
-"""Train PaddleNLP's GPT on synthetic data, as is or with paddlenlp_fused swapped in.
+"""Train PaddleNLP's GPT as is, or with paddlenlp_fused's layers swapped in.
 
-    python examples/train_gpt.py --steps 60             # tiny config, CPU, well under two minutes
+    python examples/train_gpt.py --steps 60             # tiny config, CPU
     python examples/train_gpt.py --no-fused --steps 60  # PaddleNLP's own layers
     python examples/train_gpt.py --size base --device gpu
 
-Needs PaddleNLP (``pip install -e .[paddlenlp]``). With ``--fused`` the model's layers are replaced
-in place by ``paddlenlp_fused.integrations.paddlenlp.swap_fused_layers`` (its report is printed);
-the parameters, and so the state dict, stay PaddleNLP's. The data is the fixed random Markov chain
-of ``train_llama.py`` (loss floor = the chain's entropy). Writes a loss-curve PNG at the end.
-``train()`` here is shared with ``train_mamba.py``.
+Needs PaddleNLP (``pip install -e .[paddlenlp]``). With ``--fused`` the model's layers are replaced in
+place by ``paddlenlp_fused.integrations.paddlenlp.swap_fused_layers`` (its report, printed, lists them:
+``FusedLayerNorm`` for the layer norms, one ``fused_mlp_func`` call for the MLP, ``linear_cross_entropy``
+for the LM head + criterion) and the optimizer is ``FusedAdamW``; the parameters, and so the state
+dict, stay PaddleNLP's. ``--no-fused``: PaddleNLP's layers and ``paddle.optimizer.AdamW``. Data, flags,
+progress line and loss-curve PNG: ``common.py``. ``train()`` here is shared with ``train_mamba.py``.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
-import paddle
 
-from train_llama import example_args, fit, markov_chain, plot_losses
+from common import describe, example_args, finish, fit, make_data, plot_title
+from train_llama import make_optimizer
 
 SIZES = {
     "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, intermediate=256, seq=64, batch=8),
@@ -38,34 +37,39 @@ def build_gpt(cfg):
     return GPTForCausalLM(config)
 
 
-def _logits(output):
-    """PaddleNLP returns logits bare, in a tuple, or in an output object, depending on the model."""
-    if hasattr(output, "logits"):
-        return output.logits
-    return output[0] if isinstance(output, (tuple, list)) else output
+def labelled_loss(model, inputs, labels):
+    """The loss PaddleNLP's causal LM computes from ``labels`` (GPT and LLaMA do not shift them; after
+    the swap its LM head and criterion run ``linear_cross_entropy``)."""
+    out = model(input_ids=inputs, labels=labels, return_dict=True)
+    return out.loss
 
 
-def train(name, sizes, build_model, argv=None, default_lr=3e-3):
-    """Parse the common flags, build ``build_model(sizes[size])``, swap in our layers under
-    ``--fused``, train on the Markov chain with a progress line and plot the loss curve."""
-    args = example_args(f"Train PaddleNLP's {name} on synthetic data", sizes, f"train_{name.lower()}_loss.png",
-                        argv, default_lr=default_lr)
+def train(name, sizes, build_model, argv=None, default_lr=3e-3, loss_of=labelled_loss, build_fused=None,
+          fused_extras=()):
+    """Parse the common flags, build ``build_model(sizes[size])`` (``build_fused`` instead under
+    ``--fused`` when given), swap in our layers under ``--fused``, train with ``loss_of(model, inputs,
+    labels)`` and plot the loss curve. ``fused_extras``: what else of ours the fused run uses, in words."""
+    args = example_args(f"Train PaddleNLP's {name}", sizes, f"train_{name.lower()}_loss.png", argv,
+                        default_lr=default_lr)
     rng = np.random.default_rng(args.seed)
     cfg = sizes[args.size]
-    model = build_model(cfg)
     if args.fused:
         from paddlenlp_fused.integrations.paddlenlp import swap_fused_layers
 
-        print(swap_fused_layers(model))
-    opt = paddle.optimizer.AdamW(args.lr, parameters=model.parameters(), weight_decay=0.0)
-    probs, entropy = markov_chain(cfg["vocab"], rng)
-    label = f"{'fused' if args.fused else 'plain'} {name} {args.size}"
-    print(f"{label}: {sum(int(np.prod(p.shape)) for p in model.parameters()) / 1e6:.2f}M parameters, "
-          f"loss floor (chain entropy) {entropy:.3f}, uniform {math.log(cfg['vocab']):.3f}")
-
-    losses = fit(model, opt, probs, cfg, args.steps, rng, logits_of=_logits)
-    print(f"final loss {np.mean(losses[-5:]):.4f} (start {losses[0]:.4f}, floor {entropy:.3f})")
-    plot_losses(losses, entropy, label, args.plot)
+        model = (build_fused or build_model)(cfg)
+        report = swap_fused_layers(model)
+        print(report)
+        layers = [f"{kind} {count}" for kind, count in sorted(report.swapped.items())]
+        layers += list(fused_extras) + ["FusedAdamW"]
+    else:
+        model = build_model(cfg)
+        layers = ["PaddleNLP's own", "paddle.optimizer.AdamW"]
+    opt = make_optimizer(model, args.lr, args.fused)
+    data = make_data(args.data, cfg["vocab"], rng)
+    label = f"{'fused' if args.fused else 'plain'} {name}"
+    describe(f"{label} {args.size}", model, data, cfg["vocab"], layers, args.fused)
+    losses, _ = fit(model, opt, data, cfg, args.steps, rng, loss_of=loss_of)
+    finish(losses, data, plot_title(label, args.size, args.fused), args.plot)
     return losses
 
 

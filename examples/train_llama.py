@@ -1,10 +1,21 @@
-"""Train a small LLaMA-style decoder on synthetic data, with or without paddlenlp_fused.
+"""The main job: train a small LLaMA-style decoder built from paddlenlp_fused's layers, or the plain
+Paddle composition of the same model (same parameters, same state-dict keys).
 
-    python examples/train_llama.py --steps 60             # tiny config, CPU, well under two minutes
-    python examples/train_llama.py --no-fused --steps 60  # the plain Paddle composition
+    python examples/train_llama.py --steps 60               # tiny config, CPU
+    python examples/train_llama.py --no-fused --steps 60    # the plain Paddle composition
+    python examples/train_llama.py --data text --steps 200  # bytes of the standard library's source
     python examples/train_llama.py --size base --device gpu
-    python -m paddle.distributed.launch --nproc_per_node 2 examples/train_llama.py \
-        --tensor-parallel 2 --sequence-parallel           # fleet mode: 2 processes (gloo on a CPU)
+    python -m paddle.distributed.launch --nproc_per_node 2 --log_dir /tmp/fleet_log examples/train_llama.py \
+        --tensor-parallel 2 --sequence-parallel             # fleet mode: 2 processes (gloo on a CPU)
+
+Model (``--fused``): embedding; per block ``FusedRMSNorm`` carrying the residual stream (each norm
+adds the block's previous output to the residual and normalises the sum in one op), causal attention
+(Paddle's ``scaled_dot_product_attention``), ``FusedMLP`` (SwiGLU, one ``fused_mlp_func`` call); a
+final ``FusedRMSNorm``; ``LinearCrossEntropy`` as LM head and loss (no ``[tokens, vocab]`` logits);
+``FusedAdamW`` (bfloat16 moments). ``--no-fused``: the residual add and RMSNorm, ``Linear`` + swiglu +
+``Linear``, ``Linear`` head + ``cross_entropy`` and ``paddle.optimizer.AdamW``. The ops run Triton or
+CUDA kernels on a GPU, Triton's interpreter on a CPU under ``TRITON_INTERPRET=1`` and the pure-Paddle
+reference otherwise; the first lines printed say which layers and which backend run.
 
 Fleet mode (``--tensor-parallel N`` > 1, or ``--sequence-parallel``; needs PaddleNLP) trains PaddleNLP's
 ``LlamaForCausalLM`` built with ``tensor_parallel_degree=N`` (and ``sequence_parallel``) after
@@ -12,28 +23,20 @@ Fleet mode (``--tensor-parallel N`` > 1, or ``--sequence-parallel``; needs Paddl
 have no CPU kernels, so ``--no-fused`` needs ``--device gpu`` there). ``paddle.distributed.launch`` on
 a CPU-only Paddle build picks the gloo backend by itself. Launch N processes (no data parallelism here:
 fleet's hybrid set-up of dp 2 x mp 2 hung in group creation on gloo when tried). Rank 0 prints the
-progress line and writes the plot; the others log to ``log/workerlog.<rank>``.
+progress line and writes the plot; the others log under the launcher's ``--log_dir`` (default ``log/``).
 
-The data is a fixed random Markov chain over the vocabulary, so the loss has a known floor (the
-chain's entropy, printed) that a working model approaches. With ``--fused`` the MLP's gated
-activation is ``paddlenlp_fused.swiglu`` (the Triton kernel on a GPU, or under TRITON_INTERPRET=1;
-the pure-Paddle reference otherwise); the layers that land later (norms, fused MLP, linear
-cross-entropy) slot into the same model. Writes a loss-curve PNG at the end.
+Data, flags, progress line and loss-curve PNG: ``common.py``.
 """
 
 from __future__ import annotations
-
-import argparse
-import math
-import sys
-import time
 
 import numpy as np
 import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
-import paddlenlp_fused
+import paddlenlp_fused as pf
+from common import describe, example_args, finish, fit, make_data, plot_title
 
 SIZES = {
     "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, intermediate=176, seq=64, batch=8),
@@ -42,153 +45,100 @@ SIZES = {
 
 
 class RMSNorm(nn.Layer):
+    """The plain composition of ``FusedRMSNorm``: ``forward(x, residual)`` -> (rmsnorm(x + residual), x + residual)."""
+
     def __init__(self, hidden, eps=1e-6):
         super().__init__()
         self.weight = self.create_parameter([hidden], default_initializer=nn.initializer.Constant(1.0))
         self.eps = eps
 
-    def forward(self, x):
-        x32 = x.astype("float32")
-        x32 = x32 * paddle.rsqrt((x32 * x32).mean(-1, keepdim=True) + self.eps)
-        return x32.astype(x.dtype) * self.weight
+    def forward(self, x, residual=None):
+        h = x if residual is None else x + residual
+        h32 = h.astype("float32")
+        out = (h32 * paddle.rsqrt((h32 * h32).mean(-1, keepdim=True) + self.eps)).astype(x.dtype) * self.weight
+        return out if residual is None else (out, h)
 
 
 class MLP(nn.Layer):
-    def __init__(self, hidden, intermediate, fused):
+    """The plain composition of ``FusedMLP(activation="swiglu")``: the same ``fc1`` / ``fc2`` weights."""
+
+    def __init__(self, hidden, intermediate):
         super().__init__()
-        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias_attr=False)
-        self.down = nn.Linear(intermediate, hidden, bias_attr=False)
-        self.fused = fused
+        self.fc1 = nn.Linear(hidden, 2 * intermediate, bias_attr=False)
+        self.fc2 = nn.Linear(intermediate, hidden, bias_attr=False)
 
     def forward(self, x):
-        h = self.gate_up(x)
-        return self.down(paddlenlp_fused.swiglu(h) if self.fused else F.swiglu(h))
+        return self.fc2(F.swiglu(self.fc1(x)))
+
+
+def _norm(hidden, fused):
+    return pf.FusedRMSNorm(hidden, epsilon=1e-6) if fused else RMSNorm(hidden)
 
 
 class Block(nn.Layer):
+    """Pre-norm decoder block on the residual stream: ``forward(x, residual)`` -> (this block's output,
+    the residual stream before it was added). ``residual`` None: ``x`` is the stream itself."""
+
     def __init__(self, cfg, fused):
         super().__init__()
         self.heads = cfg["heads"]
-        self.norm1, self.norm2 = RMSNorm(cfg["hidden"]), RMSNorm(cfg["hidden"])
+        self.norm1, self.norm2 = _norm(cfg["hidden"], fused), _norm(cfg["hidden"], fused)
         self.qkv = nn.Linear(cfg["hidden"], 3 * cfg["hidden"], bias_attr=False)
         self.proj = nn.Linear(cfg["hidden"], cfg["hidden"], bias_attr=False)
-        self.mlp = MLP(cfg["hidden"], cfg["intermediate"], fused)
+        self.mlp = pf.FusedMLP(cfg["hidden"], cfg["intermediate"], activation="swiglu", bias1=False, bias2=False) \
+            if fused else MLP(cfg["hidden"], cfg["intermediate"])
 
-    def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).reshape([b, s, 3, self.heads, d // self.heads]).unbind(2)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.reshape([b, s, d]))
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x, residual=None):
+        if residual is None:
+            h, residual = self.norm1(x), x
+        else:
+            h, residual = self.norm1(x, residual)
+        b, s, d = h.shape
+        q, k, v = self.qkv(h).reshape([b, s, 3, self.heads, d // self.heads]).unbind(2)
+        att = self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).reshape([b, s, d]))
+        h, residual = self.norm2(att, residual)
+        return self.mlp(h), residual
 
 
 class TinyLlama(nn.Layer):
+    """``forward(tokens, labels)`` -> the mean cross-entropy (``labels`` None: the logits)."""
+
     def __init__(self, cfg, fused):
         super().__init__()
+        self.fused, self.vocab = fused, cfg["vocab"]
         self.embed = nn.Embedding(cfg["vocab"], cfg["hidden"])
         self.blocks = nn.LayerList([Block(cfg, fused) for _ in range(cfg["layers"])])
-        self.norm = RMSNorm(cfg["hidden"])
-        self.head = nn.Linear(cfg["hidden"], cfg["vocab"], bias_attr=False)
+        self.norm = _norm(cfg["hidden"], fused)
+        # [hidden, vocab] either way (transpose_y=False: Linear's layout), so the state dicts match
+        self.head = pf.LinearCrossEntropy(cfg["hidden"], cfg["vocab"], transpose_y=False) if fused else \
+            nn.Linear(cfg["hidden"], cfg["vocab"], bias_attr=False)
 
-    def forward(self, tokens):
-        x = self.embed(tokens)
+    def forward(self, tokens, labels=None):
+        x, residual = self.embed(tokens), None
         for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+            x, residual = block(x, residual)
+        h, _ = self.norm(x, residual)
+        if labels is None:
+            return paddle.matmul(h, self.head.weight)
+        if self.fused:
+            return self.head(h, labels)
+        logits = self.head(h).astype("float32")
+        return F.cross_entropy(logits.reshape([-1, self.vocab]), labels.reshape([-1]))
 
 
-def markov_chain(vocab, rng):
-    """A sparse random transition matrix (each token has 4 likely successors) and its entropy rate."""
-    logits = rng.standard_normal((vocab, vocab)) - 4.0
-    for row in logits:
-        row[rng.choice(vocab, 4, replace=False)] += 6.0
-    probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
-    stationary = np.full(vocab, 1.0 / vocab)
-    for _ in range(200):
-        stationary = stationary @ probs
-    entropy = float(-(stationary[:, None] * probs * np.log(probs)).sum())
-    return probs, entropy
+FUSED_LAYERS = ["FusedRMSNorm (residual add + norm)", "FusedMLP (swiglu)", "LinearCrossEntropy (LM head + loss)",
+                "FusedAdamW"]
+PLAIN_LAYERS = ["add + RMSNorm composition", "Linear + swiglu + Linear", "Linear head + cross_entropy",
+                "paddle.optimizer.AdamW"]
 
 
-def sample_batch(probs, batch, seq, rng):
-    cdf = probs.cumsum(1)
-    tokens = np.empty((batch, seq + 1), dtype=np.int64)
-    tokens[:, 0] = rng.integers(0, probs.shape[0], batch)
-    for t in range(seq):
-        u = rng.random(batch)[:, None]
-        tokens[:, t + 1] = np.minimum((u > cdf[tokens[:, t]]).sum(1), probs.shape[0] - 1)
-    return paddle.to_tensor(tokens[:, :-1]), paddle.to_tensor(tokens[:, 1:])
-
-
-def fit(model, opt, probs, cfg, steps, rng, logits_of=lambda output: output, loss_of=None, after_backward=None,
-        show=True):
-    """Train ``steps`` steps on batches of the chain with a progress line (``show``); returns the losses.
-    ``logits_of`` takes the logits out of whatever the model returns; ``loss_of(model, inputs, labels)``
-    replaces the logits + cross-entropy step when the model computes its own loss; ``after_backward``
-    runs between backward and the optimizer step (gradient all-reduces)."""
-    losses, tokens_seen, start = [], 0, time.time()
-    for step in range(1, steps + 1):
-        inputs, labels = sample_batch(probs, cfg["batch"], cfg["seq"], rng)
-        if loss_of is not None:
-            loss = loss_of(model, inputs, labels)
-        else:
-            logits = logits_of(model(inputs))
-            loss = F.cross_entropy(logits.astype("float32").reshape([-1, cfg["vocab"]]), labels.reshape([-1]))
-        loss.backward()
-        if after_backward is not None:
-            after_backward()
-        opt.step()
-        opt.clear_grad()
-        losses.append(float(loss))
-        tokens_seen += inputs.size
-        done = int(30 * step / steps)
-        if show:
-            sys.stdout.write(f"\r[{'#' * done}{'.' * (30 - done)}] step {step}/{steps} loss {losses[-1]:.4f} "
-                             f"{tokens_seen / (time.time() - start):,.0f} tok/s")
-            sys.stdout.flush()
-    if show:
-        print(f"\n{steps} steps in {time.time() - start:.1f} s")
-    if not all(math.isfinite(v) for v in losses):
-        raise SystemExit("loss is not finite")
-    return losses
-
-
-def plot_losses(losses, entropy, label, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plt.figure(figsize=(5, 3.2))
-    plt.plot(losses, label=label)
-    plt.axhline(entropy, ls="--", c="gray", label="chain entropy")
-    plt.xlabel("step")
-    plt.ylabel("loss")
-    plt.legend()
-    plt.tight_layout()
-    plt.savefig(path, dpi=110)
-    print(f"loss curve: {path}")
-
-
-def example_args(description, sizes, plot, argv=None, default_lr=3e-3, fleet=False):
-    """The flags every example takes (and, with ``fleet``, ``--tensor-parallel`` / ``--sequence-parallel``);
-    sets Paddle's device and seed from them."""
-    parser = argparse.ArgumentParser(description=description)
-    if fleet:
-        parser.add_argument("--tensor-parallel", type=int, default=1,
-                            help="tensor-parallel degree (fleet mode; run under paddle.distributed.launch)")
-        parser.add_argument("--sequence-parallel", action="store_true", help="sequence parallel (fleet mode)")
-    parser.add_argument("--size", choices=sorted(sizes), default="tiny")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--lr", type=float, default=default_lr)
-    parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default=plot)
-    args = parser.parse_args(argv)
-    paddle.set_device(args.device)
-    paddle.seed(args.seed)
-    return args
+def make_optimizer(model, lr, fused, weight_decay=0.0, apply_decay_param_fun=None, moment_dtype="bfloat16"):
+    """FusedAdamW (``moment_dtype`` moments) under ``--fused``, else Paddle's AdamW: the same update."""
+    if fused:
+        return pf.FusedAdamW(lr, parameters=model.parameters(), weight_decay=weight_decay,
+                             apply_decay_param_fun=apply_decay_param_fun, moment_dtype=moment_dtype)
+    return paddle.optimizer.AdamW(lr, parameters=model.parameters(), weight_decay=weight_decay,
+                                  apply_decay_param_fun=apply_decay_param_fun)
 
 
 def build_paddlenlp_llama(cfg, tensor_parallel=1, rank=0, sequence_parallel=False):
@@ -238,9 +188,9 @@ def main_fleet(args):
         report = swap_fused_layers(model)
         if leader:
             print(report)
-    opt = paddle.optimizer.AdamW(args.lr, parameters=model.parameters(), weight_decay=0.0)
-    rng = np.random.default_rng(args.seed)  # the chain and batches of the single-process run, on every rank
-    probs, entropy = markov_chain(cfg["vocab"], rng)
+    opt = make_optimizer(model, args.lr, args.fused)
+    rng = np.random.default_rng(args.seed)  # the data and batches of the single-process run, on every rank
+    data = make_data(args.data, cfg["vocab"], rng)
 
     def after_backward():  # the norm weights' gradients are partial sums over the sequence shards
         if args.sequence_parallel:
@@ -249,35 +199,34 @@ def main_fleet(args):
     def loss_of(model, inputs, labels):
         return model(input_ids=inputs, labels=labels, return_dict=True).loss
 
-    label = f"{'fused' if args.fused else 'plain'} LLaMA tp{tp}{'+sp' if args.sequence_parallel else ''} ({args.size})"
+    name = f"{'fused' if args.fused else 'plain'} PaddleNLP LLaMA tp{tp}{'+sp' if args.sequence_parallel else ''}"
     if leader:
-        print(f"{label}, {world} processes: loss floor (chain entropy) {entropy:.3f}, "
-              f"uniform {math.log(cfg['vocab']):.3f}")
-    losses = fit(model, opt, probs, cfg, args.steps, rng, loss_of=loss_of, after_backward=after_backward,
-                 show=leader)
-    print(f"rank {dist.get_rank()}: final loss {np.mean(losses[-5:]):.4f} (start {losses[0]:.4f}, "
-          f"floor {entropy:.3f})")
+        layers = ["swap_fused_layers (report above)", "FusedAdamW"] if args.fused else \
+            ["fleet's parallel layers", "paddle.optimizer.AdamW"]
+        describe(f"{name} {args.size}, {world} processes", model, data, cfg["vocab"], layers, args.fused)
+    losses, _ = fit(model, opt, data, cfg, args.steps, rng, loss_of=loss_of, after_backward=after_backward,
+                    show=leader)
+    print(f"rank {dist.get_rank()}: final loss {np.mean(losses[-5:]):.4f} (start {losses[0]:.4f})")
     if leader:
-        plot_losses(losses, entropy, label, args.plot)
+        finish(losses, data, plot_title(name, args.size, args.fused), args.plot)
     return losses
 
 
 def main(argv=None):
     args = example_args(__doc__.splitlines()[0], SIZES, "train_llama_loss.png", argv, fleet=True)
     if args.tensor_parallel > 1 or args.sequence_parallel:
+        if args.plot == "train_llama_loss.png":  # the single-process run's default: keep both
+            args.plot = f"train_llama_tp{args.tensor_parallel}{'_sp' if args.sequence_parallel else ''}_loss.png"
         return main_fleet(args)
     rng = np.random.default_rng(args.seed)
     cfg = SIZES[args.size]
     model = TinyLlama(cfg, args.fused)
-    opt = paddle.optimizer.AdamW(args.lr, parameters=model.parameters(), weight_decay=0.0)
-    probs, entropy = markov_chain(cfg["vocab"], rng)
-    print(f"{'fused' if args.fused else 'plain'} {args.size}: "
-          f"{sum(int(np.prod(p.shape)) for p in model.parameters()) / 1e6:.2f}M parameters, "
-          f"loss floor (chain entropy) {entropy:.3f}, uniform {math.log(cfg['vocab']):.3f}")
-
-    losses = fit(model, opt, probs, cfg, args.steps, rng)
-    print(f"final loss {np.mean(losses[-5:]):.4f} (start {losses[0]:.4f}, floor {entropy:.3f})")
-    plot_losses(losses, entropy, f"{'fused' if args.fused else 'plain'} ({args.size})", args.plot)
+    opt = make_optimizer(model, args.lr, args.fused)
+    data = make_data(args.data, cfg["vocab"], rng)
+    label = f"{'fused' if args.fused else 'plain'} LLaMA {args.size}"
+    describe(label, model, data, cfg["vocab"], FUSED_LAYERS if args.fused else PLAIN_LAYERS, args.fused)
+    losses, _ = fit(model, opt, data, cfg, args.steps, rng, loss_of=lambda m, x, y: m(x, y))
+    finish(losses, data, plot_title(f"{'fused' if args.fused else 'plain'} LLaMA", args.size, args.fused), args.plot)
     return losses
 
 

@@ -1,29 +1,31 @@
-"""Train a small Mamba-2 language model (a stack of paddlenlp_fused ``Mamba2Block``s) on synthetic data.
+"""Train a small Mamba-2 language model, a stack of paddlenlp_fused ``Mamba2Block``s.
 
-    python examples/train_mamba2.py --steps 60              # tiny config, CPU, well under a minute
-    python examples/train_mamba2.py --no-fused --steps 60   # the same model on the pure-Paddle reference ops
+    python examples/train_mamba2.py --steps 60              # tiny config, CPU
+    python examples/train_mamba2.py --no-fused --steps 60   # plain layers, the blocks on the reference ops
     python examples/train_mamba2.py --size base --device gpu
 
-Model: embedding, N x (RMSNorm -> Mamba2Block, residual), RMSNorm, head. Data, progress line and
-loss-curve PNG come from ``train_llama.py`` (the fixed random Markov chain whose entropy is the loss
-floor). ``--fused`` runs the blocks on the automatic backend (Triton kernels for the conv and the
-gated norm on a GPU or under TRITON_INTERPRET=1; the SSD scan is on its reference until its Triton
-kernels land); ``--no-fused`` forces ``paddlenlp_fused.use_backend("reference")``. On a CPU without
-TRITON_INTERPRET both run the reference ops (the interpreter makes the tiny run take minutes).
+Model: embedding, N x (``FusedRMSNorm`` carrying the residual stream -> ``Mamba2Block``), a final
+``FusedRMSNorm``, ``LinearCrossEntropy`` as LM head and loss, ``FusedAdamW``. Each block runs
+``mamba_split_conv1d_scan_combined``: conv, the chunked SSD scan (Triton forward and backward kernels),
+gated RMSNorm and out_proj in one op, on the automatic backend (Triton / CUDA on a GPU, Triton's
+interpreter under TRITON_INTERPRET=1, the pure-Paddle reference otherwise). ``--no-fused``: the plain
+norms, ``Linear`` head + ``cross_entropy`` and ``paddle.optimizer.AdamW`` of ``train_llama.py``, and the
+blocks forced onto the reference ops (``use_backend("reference")``: Paddle has no Mamba-2 of its own).
+Weight decay is kept off ``dt_bias``, ``A_log`` and ``D`` (marked ``no_weight_decay``, as mamba_ssm).
+Data, flags, progress line and PNG: ``common.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import numpy as np
-import paddle
 import paddle.nn as nn
+import paddle.nn.functional as F
 
-import paddlenlp_fused
-from paddlenlp_fused.layers.mamba2 import Mamba2Block
-from train_llama import RMSNorm, example_args, fit, markov_chain, plot_losses
+import paddlenlp_fused as pf
+from common import describe, example_args, finish, fit, make_data, plot_title
+from train_llama import _norm, make_optimizer
 
 SIZES = {
     "tiny": dict(vocab=256, hidden=64, layers=2, state=16, headdim=16, chunk=16, seq=64, batch=8),
@@ -32,21 +34,33 @@ SIZES = {
 
 
 class TinyMamba2(nn.Layer):
-    def __init__(self, cfg):
-        super().__init__()
-        self.embed = nn.Embedding(cfg["vocab"], cfg["hidden"])
-        self.norms = nn.LayerList([RMSNorm(cfg["hidden"]) for _ in range(cfg["layers"])])
-        self.mixers = nn.LayerList([
-            Mamba2Block(cfg["hidden"], d_state=cfg["state"], headdim=cfg["headdim"], chunk_size=cfg["chunk"],
-                        layer_idx=i) for i in range(cfg["layers"])])
-        self.norm = RMSNorm(cfg["hidden"])
-        self.head = nn.Linear(cfg["hidden"], cfg["vocab"], bias_attr=False)
+    """``forward(tokens, labels)`` -> the mean cross-entropy."""
 
-    def forward(self, tokens):
-        x = self.embed(tokens)
+    def __init__(self, cfg, fused):
+        super().__init__()
+        self.fused, self.vocab = fused, cfg["vocab"]
+        self.embed = nn.Embedding(cfg["vocab"], cfg["hidden"])
+        self.norms = nn.LayerList([_norm(cfg["hidden"], fused) for _ in range(cfg["layers"])])
+        self.mixers = nn.LayerList([
+            pf.Mamba2Block(cfg["hidden"], d_state=cfg["state"], headdim=cfg["headdim"], chunk_size=cfg["chunk"],
+                           layer_idx=i) for i in range(cfg["layers"])])
+        self.norm = _norm(cfg["hidden"], fused)
+        self.head = pf.LinearCrossEntropy(cfg["hidden"], cfg["vocab"], transpose_y=False) if fused else \
+            nn.Linear(cfg["hidden"], cfg["vocab"], bias_attr=False)
+
+    def forward(self, tokens, labels):
+        x, residual = self.embed(tokens), None
         for norm, mixer in zip(self.norms, self.mixers):
-            x = x + mixer(norm(x))
-        return self.head(self.norm(x))
+            if residual is None:
+                h, residual = norm(x), x
+            else:
+                h, residual = norm(x, residual)
+            x = mixer(h)
+        h, _ = self.norm(x, residual)
+        if self.fused:
+            return self.head(h, labels)
+        logits = self.head(h).astype("float32")
+        return F.cross_entropy(logits.reshape([-1, self.vocab]), labels.reshape([-1]))
 
 
 def main(argv=None):
@@ -54,20 +68,21 @@ def main(argv=None):
     np.random.seed(args.seed)  # Mamba2Block draws dt_bias and A_log with numpy
     rng = np.random.default_rng(args.seed)
     cfg = SIZES[args.size]
-    model = TinyMamba2(cfg)
+    model = TinyMamba2(cfg, args.fused)
     # mamba_ssm keeps weight decay off dt_bias, A_log and D (marked no_weight_decay)
     no_decay = {p.name for p in model.parameters() if getattr(p, "no_weight_decay", False)}
-    opt = paddle.optimizer.AdamW(args.lr, parameters=model.parameters(), weight_decay=0.1,
-                                 apply_decay_param_fun=lambda name: name not in no_decay)
-    probs, entropy = markov_chain(cfg["vocab"], rng)
-    label = "fused" if args.fused else "reference"
-    print(f"{label} {args.size}: {sum(int(np.prod(p.shape)) for p in model.parameters()) / 1e6:.2f}M parameters, "
-          f"loss floor (chain entropy) {entropy:.3f}, uniform {math.log(cfg['vocab']):.3f}")
-
-    with contextlib.nullcontext() if args.fused else paddlenlp_fused.use_backend("reference"):
-        losses = fit(model, opt, probs, cfg, args.steps, rng)
-    print(f"final loss {np.mean(losses[-5:]):.4f} (start {losses[0]:.4f}, floor {entropy:.3f})")
-    plot_losses(losses, entropy, f"Mamba-2 {label} ({args.size})", args.plot)
+    opt = make_optimizer(model, args.lr, args.fused, weight_decay=0.1,
+                         apply_decay_param_fun=lambda name: name not in no_decay)
+    data = make_data(args.data, cfg["vocab"], rng)
+    label = f"{'fused' if args.fused else 'plain'} Mamba-2"
+    layers = ["FusedRMSNorm (residual add + norm)", "Mamba2Block", "LinearCrossEntropy (LM head + loss)",
+              "FusedAdamW"] if args.fused else \
+        ["add + RMSNorm composition", "Mamba2Block on the reference ops", "Linear head + cross_entropy",
+         "paddle.optimizer.AdamW"]
+    describe(f"{label} {args.size}", model, data, cfg["vocab"], layers, args.fused)
+    with contextlib.nullcontext() if args.fused else pf.use_backend("reference"):
+        losses, _ = fit(model, opt, data, cfg, args.steps, rng, loss_of=lambda m, x, y: m(x, y))
+    finish(losses, data, plot_title(label, args.size, args.fused), args.plot)
     return losses
 
 
