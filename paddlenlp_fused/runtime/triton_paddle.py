@@ -2,9 +2,10 @@
 
 On the GPU, Triton's launcher needs only ``data_ptr()`` and ``str(dtype)`` of a tensor; what ties it
 to torch is the driver object (current device and stream, capability, benchmarker, L2-flush buffer).
-``install_paddle_driver`` registers a subclass of Triton's CUDA driver whose hooks use Paddle, plus an
-allocator for kernels that need global scratch, so kernels run on Paddle's current stream. No file
-of the installed Triton is edited and no torch is imported.
+``install_paddle_driver`` registers a subclass of Triton's CUDA driver whose hooks ask
+``runtime.device`` (Paddle), plus an allocator for kernels that need global scratch, so kernels run
+on Paddle's current stream. No file of the installed Triton is edited and no torch is imported.
+``paddle_triton_driver()`` scopes it, restoring the previous driver (torch's) on exit.
 
 ``triton_args(*tensors)`` is what an op calls before a launcher: it installs the right driver once and
 returns the tensors in the form the launcher takes (GPU tensors as they are; CPU tensors wrapped for
@@ -13,84 +14,120 @@ the interpreter).
 
 from __future__ import annotations
 
+import contextlib
+
 from .backend import interpreter_enabled
+from .device import PaddleDevice
 from .interpreter import install_interpreter_driver, wrap
 from .tensor import device_kind
 
-_paddle_driver_installed = False
+def _device_interface(api):
+    """The part of ``torch.cuda`` that ``triton.testing.do_bench`` uses, on ``api``."""
+
+    class DeviceInterface:
+        synchronize = staticmethod(api.synchronize)
+
+        @staticmethod
+        def Event(enable_timing: bool = False):
+            return api.event(enable_timing)
+
+    return DeviceInterface
 
 
-class _PaddleDeviceInterface:
-    """The part of ``torch.cuda`` that ``triton.testing.do_bench`` uses."""
-
-    @staticmethod
-    def synchronize():
-        import paddle
-
-        paddle.device.synchronize()
-
-    @staticmethod
-    def Event(enable_timing: bool = False):
-        import paddle
-
-        return paddle.device.Event(enable_timing=enable_timing)
-
-
-def _current_raw_stream(device: int) -> int:
-    import paddle
-
-    getter = getattr(paddle._C, "_cuda_getCurrentRawStream", None)  # Paddle >= 3.2
-    if getter is not None:
-        return getter(device)
-    return paddle.device.current_stream(f"gpu:{device}")._as_parameter_.value or 0
-
-
-def install_paddle_driver() -> None:
-    """Make Triton launch on Paddle's current device and stream (idempotent)."""
-    global _paddle_driver_installed
-    if _paddle_driver_installed:
-        return
-    import paddle
-    import triton
+def make_driver(api=None):
+    """A Triton CUDA driver whose device, stream, capability, timing and scratch buffers come from
+    ``api`` (default ``runtime.device.PaddleDevice``; the GPU suite passes a torch-backed stand-in)."""
     from triton.backends.nvidia.driver import CudaDriver, CudaLauncher, CudaUtils
-    from triton.runtime import driver
+
+    api = api or PaddleDevice()
 
     class PaddleCudaDriver(CudaDriver):
         def __init__(self):  # CudaDriver.__init__ would import torch
             self.utils = CudaUtils()
             self.launcher_cls = CudaLauncher
+            self.api = api
 
         def get_current_device(self):
-            return int(paddle.device.get_device().split(":")[-1])
+            return api.current_device()
 
         def set_current_device(self, device):
-            paddle.device.set_device(f"gpu:{device}")
+            api.set_device(device)
 
         def get_current_stream(self, device=None):
-            return _current_raw_stream(self.get_current_device() if device is None else device)
+            return api.current_stream(api.current_device() if device is None else device)
 
         def get_device_capability(self, device=None):
-            return paddle.device.cuda.get_device_capability(device)
+            return api.capability(api.current_device() if device is None else device)
 
         def get_active_torch_device(self):
             return None
 
         def get_device_interface(self):
-            return _PaddleDeviceInterface
+            return _device_interface(api)
 
         def get_empty_cache_for_benchmark(self):
-            return paddle.empty([64 * 1024 * 1024], dtype="int32")  # 256 MB, past the L2
+            return api.empty_int32(64 * 1024 * 1024)  # 256 MB, past the L2
 
         def clear_cache(self, cache):
             cache.zero_()
 
         @staticmethod
         def is_active():
-            return paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+            return api.is_active()
 
-    driver.set_active(PaddleCudaDriver())
-    triton.set_allocator(lambda size, alignment, stream: paddle.empty([size], dtype="int8"))
-    _paddle_driver_installed = True
+    return PaddleCudaDriver()
+
+
+_paddle_driver = None
+_previous = None  # (driver, allocator) that were active before install_paddle_driver
+
+
+def install_paddle_driver(api=None) -> None:
+    """Make Triton launch on Paddle's current device and stream (idempotent). Triton's active
+    driver and allocator are process-wide: ``restore_triton_driver()`` (or the
+    ``paddle_triton_driver()`` scope) gives Triton kernels on torch tensors in the same process
+    their own back."""
+    global _paddle_driver, _previous
+    import triton
+    from triton.runtime import _allocation, driver
+
+    if _paddle_driver is None or (api is not None and _paddle_driver.api is not api):
+        _paddle_driver = make_driver(api)
+    if driver._active is _paddle_driver:
+        return
+    _previous = (driver._active, _allocation._allocator.get())
+    driver.set_active(_paddle_driver)
+    device_api = _paddle_driver.api
+    triton.set_allocator(lambda size, alignment, stream: device_api.empty_bytes(size))
+
+
+def restore_triton_driver() -> None:
+    """Give Triton back the driver and allocator it had before ``install_paddle_driver``."""
+    global _previous
+    if _previous is None:
+        return
+    import triton
+    from triton.runtime import driver
+
+    active, allocator = _previous
+    _previous = None
+    driver._active = active  # None: Triton picks its default driver again on next use (torch's)
+    triton.set_allocator(allocator)
+
+
+@contextlib.contextmanager
+def paddle_triton_driver(api=None):
+    """Triton launches inside the block use Paddle's (or ``api``'s) device and stream; the driver
+    and allocator active before are restored on exit."""
+    from triton.runtime import driver
+
+    outer = driver._active is _paddle_driver and _paddle_driver is not None
+    install_paddle_driver(api)
+    try:
+        yield _paddle_driver
+    finally:
+        if not outer:
+            restore_triton_driver()
 
 
 def triton_args(*tensors):

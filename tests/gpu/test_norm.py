@@ -18,12 +18,19 @@ DTYPES = ("float32", "float16", "bfloat16")
 SHAPES = [(1, 1), (300, 1), (37, 7), (1, 4096), (1000, 4096), (257, 8192), (5, 12345), (64, 65536)]  # (M, N)
 
 
+def _tuning(backend, options, direction):
+    """A launcher's tuning argument from a dict of its fields (the variant tests' tables)."""
+    if backend == "cuda":
+        return dict(variant=cuda_norm.NormVariant(**options))
+    return dict(tuning=(triton_norm.FwdTuning if direction == "fwd" else triton_norm.BwdTuning)(**options))
+
+
 def _workspace(provider, backend, M, N, dtype, has_bias, group_size=None, **options):
     if backend == "cuda":
-        partials, rowstats = cuda_norm.bwd_workspace_shapes(M, N, dtype, has_bias, **options)
+        partials, rowstats = cuda_norm.bwd_workspace_shapes(M, N, dtype, has_bias, **_tuning(backend, options, "bwd"))
     else:
-        grid_options = {k: v for k, v in options.items() if k in ("rows", "num_warps")}
-        partials, rowstats = triton_norm.bwd_workspace_shapes(M, N, has_bias, group_size, **grid_options)
+        partials, rowstats = triton_norm.bwd_workspace_shapes(M, N, has_bias, group_size,
+                                                              **_tuning(backend, options, "bwd"))
     return provider.poisoned(partials, "float32"), None if rowstats is None else provider.poisoned(rowstats, "float32")
 
 
@@ -62,7 +69,7 @@ def _run(provider, backend, x, w, b, dy, *, residual=None, res_out_dtype=None, d
     mean = None if is_rms else provider.poisoned((M,), "float32")
     res_out = None if res_out_dtype is None else provider.poisoned((M, N), res_out_dtype)
     K.norm_fwd(x, w, b, y, mean, rstd, residual=residual, residual_out=res_out, eps=eps, is_rms_norm=is_rms,
-               weight_offset=weight_offset, **fwd_options)
+               weight_offset=weight_offset, **_tuning(backend, fwd_options, "fwd"))
     dx = provider.poisoned((M, N), dtype)
     res_dtype = None if residual is None else str(residual.dtype).split(".")[-1]
     dres = provider.poisoned((M, N), res_dtype) if res_dtype not in (None, dtype) else None
@@ -71,7 +78,8 @@ def _run(provider, backend, x, w, b, dy, *, residual=None, res_out_dtype=None, d
     partials, rowstats = _workspace(provider, backend, M, N, dtype, b is not None, **bwd_options)
     K.norm_bwd(res_out if res_out is not None else x, w, mean, rstd, dy, dx, dw, partials, dbias=db,
                dresidual_out=dres_out, dresidual=dres, rowstats=rowstats, is_rms_norm=is_rms,
-               weight_offset=weight_offset, **({} if counters is None else dict(counters=counters)), **bwd_options)
+               weight_offset=weight_offset, **({} if counters is None else dict(counters=counters)),
+               **_tuning(backend, bwd_options, "bwd"))
     provider.synchronize()
     if counters is not None:
         assert not provider.to_numpy(counters).any(), "the fused partial sums left their counters non-zero"

@@ -8,6 +8,7 @@ stream. The backward sums dweight/dbias over rows in two kernels launched by one
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple, Optional
 
 from ...runtime import tensor as T
 from . import library
@@ -58,33 +59,35 @@ def _check_weight_dtypes(weight, others) -> None:
             raise TypeError(f"{name}: expected the weight's dtype {T.dtype_name(weight)}, got {T.dtype_name(t)}")
 
 
-def _variant(items, stages, blocks_per_sm) -> tuple:
-    """The backward variant's C arguments: None takes the library's default."""
-    return (0 if items is None else int(items), -1 if stages is None else int(stages),
-            0 if blocks_per_sm is None else int(blocks_per_sm))
+class NormVariant(NamedTuple):
+    """A kernel variant of the library (benchmarks and variant tests); None takes the library's
+    own choice by row width and dtype. ``items``: 16-byte vectors per thread (1 or 2); ``stages``:
+    rows staged in shared memory (0: the block-per-row kernel, 2 or 3: the staged persistent one,
+    for aligned rows of at most 1024 vectors and no residual); ``blocks_per_sm`` of that one."""
+    items: Optional[int] = None
+    stages: Optional[int] = None
+    blocks_per_sm: Optional[int] = None
+
+    def c_args(self) -> tuple:
+        return (0 if self.items is None else int(self.items), -1 if self.stages is None else int(self.stages),
+                0 if self.blocks_per_sm is None else int(self.blocks_per_sm))
 
 
-def bwd_workspace_shapes(M: int, N: int, dtype: str, has_bias: bool, *, items=None, stages=None,
-                         blocks_per_sm=None):
+def bwd_workspace_shapes(M: int, N: int, dtype: str, has_bias: bool, *, variant: NormVariant = NormVariant()):
     """(partials [n_sums, P, N], rowstats [M, 2] or None): the fp32 workspaces ``norm_bwd`` takes;
-    P fills the current device at the backward kernel's occupancy. ``items`` (vectors per thread,
-    1 or 2), ``stages`` (rows staged in shared memory: 0, 2 or 3) and ``blocks_per_sm`` override
-    the backward's variant (tuning; pass the same values to ``norm_bwd``)."""
+    P fills the current device at the backward kernel's occupancy. ``variant``: as passed to
+    ``norm_bwd``."""
     num_partials, needs_rowstats = _c_i64(), _c_int()
-    library.check(_lib().pnf_norm_bwd_workspace(library.dtype_code(dtype), M, N,
-                                                 *_variant(items, stages, blocks_per_sm),
+    library.check(_lib().pnf_norm_bwd_workspace(library.dtype_code(dtype), M, N, *variant.c_args(),
                                                  ctypes.byref(num_partials), ctypes.byref(needs_rowstats)),
                   "norm_bwd_workspace")
     return (2 if has_bias else 1, num_partials.value, N), ((M, 2) if needs_rowstats.value else None)
 
 
 def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None, eps: float = 1e-5,
-             is_rms_norm: bool = False, weight_offset: float = 0.0, items=None, stages=None,
-             blocks_per_sm=None) -> None:
+             is_rms_norm: bool = False, weight_offset: float = 0.0, variant: NormVariant = NormVariant()) -> None:
     """y = norm(x (+ residual)); writes y, residual_out (if given), mean (LayerNorm) and rstd.
-    ``stages`` 2 or 3 takes the staged persistent kernel where it applies (aligned rows of at most
-    1024 vectors of 16 bytes, no residual), with ``items`` (1 or 2) vectors per thread and
-    ``blocks_per_sm``; 0 the block-per-row kernel (tuning; None: the library's default)."""
+    ``variant`` overrides the library's choice of kernel."""
     M, N = _matrix_shape("x", x)
     stride_x, stride_res, stride_y, stride_res_out = (
         T.row_stride(name, t, M, N) for name, t in (("x", x), ("residual", residual), ("y", y),
@@ -101,16 +104,16 @@ def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None
         _ptr(x), _ptr(residual), _ptr(weight), _ptr(bias), _ptr(y), _ptr(residual_out),
         None if is_rms_norm else _ptr(mean), _ptr(rstd), M, N, stride_x, stride_res, stride_y, stride_res_out,
         _code(x), _code(residual), _code(residual_out),
-        _code(weight), float(eps), float(weight_offset), int(is_rms_norm), *_variant(items, stages, blocks_per_sm),
+        _code(weight), float(eps), float(weight_offset), int(is_rms_norm), *variant.c_args(),
         library.stream_of(x)), "norm_fwd")
 
 
 def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dresidual_out=None,
              dresidual=None, rowstats=None, is_rms_norm: bool = False, weight_offset: float = 0.0,
-             items=None, stages=None, blocks_per_sm=None) -> None:
+             variant: NormVariant = NormVariant()) -> None:
     """Gradients of ``norm_fwd`` (h: residual_out when the forward stored one, else x): dx (= dh,
-    plus dresidual_out), dresidual (dh in its own dtype), dweight, dbias. ``items``, ``stages``,
-    ``blocks_per_sm``: as in ``bwd_workspace_shapes``."""
+    plus dresidual_out), dresidual (dh in its own dtype), dweight, dbias. ``variant``: as passed
+    to ``bwd_workspace_shapes``."""
     M, N = _matrix_shape("h", h)
     stride_h, stride_dy, stride_dx, stride_dres_out, stride_dres = (
         T.row_stride(name, t, M, N) for name, t in (("h", h), ("dy", dy), ("dx", dx), ("dresidual_out", dresidual_out),
@@ -135,4 +138,4 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dr
         _ptr(dx), _ptr(dresidual), _ptr(dweight), _ptr(dbias), _ptr(partials),
         _ptr(rowstats), shape[1], M, N, stride_h, stride_dy, stride_dres_out, stride_dx, stride_dres, _code(dy), _code(h),
         _code(dresidual_out), _code(dresidual), _code(weight), float(weight_offset), int(is_rms_norm),
-        *_variant(items, stages, blocks_per_sm), library.stream_of(dy)), "norm_bwd")
+        *variant.c_args(), library.stream_of(dy)), "norm_bwd")

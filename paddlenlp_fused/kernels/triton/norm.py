@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import NamedTuple, Optional
 
 import triton
 import triton.language as tl
@@ -47,16 +48,66 @@ from triton.runtime.jit import JITFunction
 
 from ...runtime import tensor as T
 
-FWD_MAX_BLOCK = 8192  # widest group the forward keeps in registers (H200: chunks of 8192 beat one
-# 16384 block, 0.085 vs 0.120 ms for LayerNorm [4096, 16384] bf16)
+COUNTERS = 2  # int32 workspace of the fused partial sums (arrivals, departures at the grid barrier)
+
+
+# ----------------------------------------------------------------------------------------------
+# tuning table: the launch configuration, apart from the kernels (measured choices: benchmarks/NOTES.md)
+
+
+class FwdTuning(NamedTuple):
+    """Forward tile: rows per program and warps; None takes the table's choice (``_fwd_config``)."""
+    rows: Optional[int] = None
+    num_warps: Optional[int] = None
+
+
+class BwdTuning(NamedTuple):
+    """Backward tile and loop: rows per program, warps, software-pipelining depth of the row loop,
+    and whether the weight is re-read each row (from L1) or held in registers; None takes the
+    table's choice (``_bwd_config``, ``_bwd_stages``)."""
+    rows: Optional[int] = None
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
+    reload_weight: bool = True
+
+
+FWD_MAX_BLOCK = 8192  # widest group the forward keeps in registers (wider: chunks of 8192)
 BWD_MAX_BLOCK = 8192  # widest column slab the backward keeps in registers (with its dw/db sums)
-# Tiles of the partial sums: narrow column blocks, so that many programs share the P rows (H200,
-# 264 rows of 4096: the separate kernel alone 0.0086 ms at 128 x 16, 0.0101 at 64 x 32, 0.0131 at
-# 32 x 64, CUDA-graph timing; fused into the backward, 256 x 16 / 128 x 16 / 64 x 32 within 0.5 us)
+# Tiles of the partial sums: narrow column blocks, so that many programs share the P rows
 _SUM_BLOCK_P, _SUM_BLOCK_N = 128, 16  # the separate partial-sum kernel
 _FUSED_SUM_BLOCK_P, _FUSED_SUM_BLOCK_N = 128, 16  # the sums in the backward
-COUNTERS = 2  # int32 workspace of the fused partial sums (arrivals, departures at the grid barrier)
 _STAGE_BUFFER_BYTES = 128 * 1024  # shared memory the backward's pipelined loads may take
+
+
+def _warps(elements: int) -> int:
+    return 4 if elements <= 1024 else (8 if elements <= 4096 else 16)
+
+
+@functools.lru_cache(maxsize=256)
+def _fwd_config(G: int, max_block: int, rows=None, num_warps=None):
+    """(ROWS, BLOCK_N, num_warps): groups up to 4096 wide go several to a program, in tiles of 8192
+    elements on 8 warps; wider ones one per program on 16 warps. ``rows`` / ``num_warps``: a
+    ``FwdTuning``'s overrides."""
+    block_n = min(triton.next_power_of_2(G), max_block)
+    if block_n <= 4096:
+        return rows or max(1, min(32, 8192 // block_n)), block_n, num_warps or 8
+    return rows or 1, block_n, num_warps or 16
+
+
+@functools.lru_cache(maxsize=256)
+def _bwd_config(G: int, max_block: int, rows=None, num_warps=None):
+    """(ROWS, BLOCK_N, NUM_SLABS, num_warps); ``rows`` / ``num_warps``: a ``BwdTuning``'s overrides."""
+    block_n = min(triton.next_power_of_2(G), max_block)
+    slabs = triton.cdiv(G, block_n)
+    rows = rows or (max(1, min(16, 2048 // block_n)) if slabs == 1 else 1)
+    return rows, block_n, slabs, num_warps or _warps(rows * block_n)
+
+
+def _bwd_stages(tile_elements: int) -> int:
+    """Software-pipelining depth of the backward's row loop: 3 for tiles up to 4096 elements (2
+    prefetch too little ahead for DRAM latency and pay the shared-memory round trip), none for
+    the 8192-column tiles of wide rows (one program per SM, faster unpipelined)."""
+    return 3 if tile_elements <= 4096 else 1
 
 
 @triton.jit
@@ -407,7 +458,7 @@ class DirectLauncher:
     launch of each specialisation on. ``JITFunction.run`` binds and mangles every argument and
     rebuilds its cache key on each call, and the binary's launcher asks the driver about every
     tensor address: tens of microseconds of host time per launch, which made the eager fwd+bwd
-    host-bound on the H200. Here the first launch of a specialisation goes through
+    host-bound on a fast GPU. Here the first launch of a specialisation goes through
     ``JITFunction.run`` (compiling it) and its ``CompiledKernel`` is kept under a key holding all
     that Triton specialises on: per tensor its dtype and 16-byte alignment, per int its type
     (i32 / i64 / u64 by range) and, unless do_not_specialize, == 1 and % 16 == 0; None-ness;
@@ -506,39 +557,6 @@ def _groups(N: int, group_size) -> tuple:
     return group_size, N // group_size
 
 
-def _warps(elements: int) -> int:
-    return 4 if elements <= 1024 else (8 if elements <= 4096 else 16)
-
-
-@functools.lru_cache(maxsize=256)
-def _fwd_config(G: int, max_block: int, rows=None, num_warps=None):
-    """(ROWS, BLOCK_N, num_warps): groups up to 4096 wide go several to a program, in tiles of 8192
-    elements on 8 warps (H200, [16384, 4096] bf16: 2 rows x 8 warps 0.070 ms, 1 x 8 0.072, 1 x 16
-    0.087); wider ones one per program on 16 warps. ``rows`` / ``num_warps`` override (tuning)."""
-    block_n = min(triton.next_power_of_2(G), max_block)
-    if block_n <= 4096:
-        return rows or max(1, min(32, 8192 // block_n)), block_n, num_warps or 8
-    return rows or 1, block_n, num_warps or 16
-
-
-@functools.lru_cache(maxsize=256)
-def _bwd_config(G: int, max_block: int, rows=None, num_warps=None):
-    """(ROWS, BLOCK_N, NUM_SLABS, num_warps); ``rows`` / ``num_warps`` override (tuning)."""
-    block_n = min(triton.next_power_of_2(G), max_block)
-    slabs = triton.cdiv(G, block_n)
-    rows = rows or (max(1, min(16, 2048 // block_n)) if slabs == 1 else 1)
-    return rows, block_n, slabs, num_warps or _warps(rows * block_n)
-
-
-def _bwd_stages(tile_elements: int) -> int:
-    """Software-pipelining depth of the backward's row loop. H200, bf16, fwd+bwd sweep (CUDA-graph
-    timing): at [16384, 4096] 3 stages 0.111 ms, 1 stage 0.139, 2 stages 0.157 (2 stages prefetch
-    one tile ahead, too little for DRAM latency, and pay the shared-memory round trip); tiles of
-    8192 columns (N > 4096, 16 warps, one program per SM) ran faster unpipelined (N = 8192: 1 stage
-    0.151 ms, 2 stages 0.180; N = 16384..65536 likewise by 15-20%)."""
-    return 3 if tile_elements <= 4096 else 1
-
-
 def _max_programs_per_sm(num_warps: int) -> int:
     """Programs of num_warps warps an SM can hold at most (64 warp slots; >= 32 registers each)."""
     return max(1, min(64 // num_warps, 65536 // (32 * num_warps * 32)))
@@ -598,13 +616,12 @@ def _resident_programs_per_sm(launcher, args, constexprs, options, num_warps: in
 
 
 def bwd_workspace_shapes(M: int, N: int, has_bias: bool, group_size=None, max_block: int = BWD_MAX_BLOCK,
-                         rows=None, num_warps=None):
+                         tuning: BwdTuning = BwdTuning()):
     """Shapes of the fp32 workspaces ``norm_bwd`` takes: (partials [n_sums, P, N], rowstats
     [M * ngroups, 2] or None). P is an upper bound (``norm_bwd`` uses as many rows as programs fit
-    on the GPU at once). ``rows``, ``num_warps`` override the tile (tuning; pass the same values to
-    ``norm_bwd``)."""
+    on the GPU at once). ``tuning``: as passed to ``norm_bwd``."""
     G, ngroups = _groups(N, group_size)
-    rows, _, slabs, num_warps = _bwd_config(G, max_block, rows, num_warps)
+    rows, _, slabs, num_warps = _bwd_config(G, max_block, tuning.rows, tuning.num_warps)
     per_sm = _max_programs_per_sm(num_warps)
     num_partials = max(1, min(triton.cdiv(M, rows), _num_sms() * per_sm // (ngroups * slabs)))
     rowstats = (M * ngroups, 2) if slabs > 1 else None
@@ -657,11 +674,11 @@ def _matrix_shape(name: str, t) -> tuple:
 
 def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None, z=None, eps: float = 1e-5,
              is_rms_norm: bool = False, weight_offset: float = 0.0, group_size=None,
-             norm_before_gate: bool = True, max_block: int = FWD_MAX_BLOCK, rows=None, num_warps=None) -> None:
+             norm_before_gate: bool = True, max_block: int = FWD_MAX_BLOCK, tuning: FwdTuning = FwdTuning()) -> None:
     """y = norm(x (+ residual)) (gated by z); writes y, residual_out (if given), mean (LayerNorm) and
     rstd. ``residual`` / ``residual_out`` are for ungrouped norms; ``z`` / ``group_size`` for the
     gated RMSNorm. ``max_block`` caps the register tile (tests use it to reach the chunked path);
-    ``rows`` and ``num_warps`` override the tile's rows and the warps per program (tuning)."""
+    ``tuning`` overrides the table's tile (benchmarks and variant tests)."""
     M, N = _matrix_shape("x", x)
     G, ngroups = _groups(N, group_size)
     if (residual is not None or residual_out is not None) and ngroups != 1:
@@ -673,7 +690,7 @@ def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None
     _check_stats(mean, rstd, M * ngroups, is_rms_norm)
     if M == 0 or N == 0:
         return
-    rows, block_n, num_warps = _fwd_config(G, max_block, rows, num_warps)
+    rows, block_n, num_warps = _fwd_config(G, max_block, tuning.rows, tuning.num_warps)
     _launch_fwd((triton.cdiv(M, rows), ngroups),
                 (x, residual, z, weight, bias, y, residual_out, None if is_rms_norm else mean, rstd,
                  M, G, ngroups, *strides, float(eps), float(weight_offset)),
@@ -684,18 +701,15 @@ def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None
 def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dresidual_out=None,
              dresidual=None, z=None, dz=None, rowstats=None, counters=None, is_rms_norm: bool = False,
              weight_offset: float = 0.0, group_size=None, norm_before_gate: bool = True,
-             max_block: int = BWD_MAX_BLOCK, rows=None, num_warps=None, num_stages=None,
-             reload_weight=True) -> None:
+             max_block: int = BWD_MAX_BLOCK, tuning: BwdTuning = BwdTuning()) -> None:
     """Gradients of ``norm_fwd``. ``h`` is what the forward normalised before gating: residual_out
     when it stored one, else x. Writes dx (= dh, plus dresidual_out), dresidual (dh in the
     residual's dtype, when that differs from dx's), dz (gated), dweight and dbias; ``partials`` and
     ``rowstats`` are workspaces shaped by ``bwd_workspace_shapes``. ``counters``: an int32
     [COUNTERS] workspace of zeros (left zeroed); given, a backward of one column slab and one group
     sums dweight/dbias in its own (cooperative) launch instead of a second kernel's, when the
-    cooperative grid fits on the GPU (else the two kernels run). ``max_block``, ``rows`` and
-    ``num_warps`` as there. ``num_stages``: software-pipelining depth of
-    the row loop (1: none; default ``_bwd_stages``); ``reload_weight``: read the weight each row
-    (from L1) rather than holding it in registers across rows (tuning)."""
+    cooperative grid fits on the GPU (else the two kernels run). ``max_block`` as there;
+    ``tuning`` overrides the table's tile and loop (pass the same to ``bwd_workspace_shapes``)."""
     M, N = _matrix_shape("h", h)
     G, ngroups = _groups(N, group_size)
     stride_h, stride_z, stride_dy, stride_dres_out, stride_dx, stride_dres, stride_dz = (
@@ -706,8 +720,8 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dr
     for name, t in (("weight", weight), ("dweight", dweight), ("dbias", dbias)):
         _check_vector(name, t, N)
     _check_stats(mean, rstd, M * ngroups, is_rms_norm)
-    rows, block_n, slabs, num_warps = _bwd_config(G, max_block, rows, num_warps)
-    num_stages = num_stages or _bwd_stages(rows * block_n)
+    rows, block_n, slabs, num_warps = _bwd_config(G, max_block, tuning.rows, tuning.num_warps)
+    num_stages, reload_weight = tuning.num_stages or _bwd_stages(rows * block_n), tuning.reload_weight
     # each pipeline stage buffers one tile of every row tensor loaded in the loop: keep the
     # buffers within shared memory (sm_80: 163 KiB; 128 KiB leaves room for the reductions)
     stage_bytes = rows * block_n * sum(_itemsize(t) for t in (h, dy, z, dresidual_out) if t is not None)
