@@ -338,3 +338,29 @@ def test_small_case_for_sanitizer(provider, ws):
         lt.linear_act_fwd(dpre, w, provider.poisoned((M, K), "bfloat16"), ws, weight_transposed=True)
     provider.synchronize()
     assert np.all(np.isfinite(provider.to_numpy(dw)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (37, 1000), (16384, 520), (3000, 16384)], ids=str)
+def test_triton_activation_backward_with_bias_gradient(provider, shape, dtype):
+    """act_bwd_dbias (the CUDA backend's backward between its plain GEMMs): dpre = dout * gelu'(pre)
+    and its column sums (row splits summed in order), outputs poisoned; pre at a row stride past its
+    width. column_sum alone on the same dout."""
+    M, N = shape
+    pre = provider.randn((M, N + 8), dtype)[:, 4:4 + N]
+    dout = provider.randn((M, N), dtype)
+    dpre, dbias = provider.poisoned((M, N), dtype), provider.poisoned((N,), dtype)
+    partial = provider.poisoned(tr.colsum_partial_shape(M, N), "float32")
+    tr.act_bwd_dbias(pre, dout, dpre, dbias, partial, "gelu_approx")
+    colsum = provider.poisoned((N,), "float32")
+    tr.column_sum(dout, colsum, provider.poisoned(tr.colsum_partial_shape(M, N), "float32"))
+    provider.synchronize()
+    ref = provider.to_numpy(dout) * _dgelu(provider.to_numpy(pre))
+    assert_close("dpre", provider.to_numpy(dpre), ref, dtype)
+    stored = provider.to_numpy(dpre)  # the sums are of the stored (rounded) dpre, in fp32
+    terms = np.abs(stored).sum(0)
+    err = np.max(np.abs(provider.to_numpy(dbias) - stored.sum(0)) / np.maximum(terms, 1e-300))
+    assert err <= bound_for(dtype), f"dbias ({dtype}): error / |terms| {err:.3e}"
+    D = provider.to_numpy(dout)
+    err = np.max(np.abs(provider.to_numpy(colsum) - D.sum(0)) / np.maximum(np.abs(D).sum(0), 1e-300))
+    assert err <= bound_for("float32"), f"column_sum: error / |terms| {err:.3e}"
