@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+import traceback
+
 # Ceilings measured on the H200 on 2026-11-30 (../shared/PERFORMANCE.md); each run also measures the
 # copy bandwidth itself and reports both.
 CEILING = {"copy_TBps": 4.25, "bf16_gemm_TFLOPs": 787}
@@ -24,16 +27,75 @@ def measure_copy_TBps(provider, n_bytes: int = 4 * GiB) -> float:
     return 2 * n_bytes / (ms * 1e-3) / 1e12
 
 
-def peak_GiB(provider, fn, exclude_bytes: int = 0) -> float:
-    """Peak device memory of one call of ``fn`` above what was allocated before it, less
-    ``exclude_bytes`` (gradients of the inputs the call allocates)."""
+def clear_grads(leaves) -> None:
+    for t in leaves:
+        t.grad = None
+
+
+def run_once(provider, fn, exclude_bytes: int = 0, leaves=()) -> tuple:
+    """(wall milliseconds, peak GiB) of one call of ``fn``. The gradients the previous call left on
+    ``leaves`` are freed *before* the baseline is read (a closure that clears them itself would
+    otherwise count them in the baseline and free them inside the measured window, reading low by
+    their size). The peak is what the call holds above the baseline (inputs, parameters, persistent
+    buffers) less ``exclude_bytes`` (the gradients of inputs and parameters it allocates); the
+    return value of ``fn`` (outputs, gradients) is held until the peak is read. Not floored: a
+    negative figure means ``exclude_bytes`` names more than the call allocates."""
+    clear_grads(leaves)
     provider.synchronize()
     before = provider.memory_allocated()
     provider.reset_peak_memory()
+    start = time.perf_counter()
     keep = fn()
+    provider.synchronize()
+    ms = (time.perf_counter() - start) * 1e3
     peak = provider.peak_memory()
     del keep
-    return max(0.0, (peak - before - exclude_bytes) / GiB)
+    return ms, (peak - before - exclude_bytes) / GiB
+
+
+def peak_GiB(provider, fn, exclude_bytes: int = 0, leaves=()) -> float:
+    """Peak device memory of one call of ``fn`` (``run_once``): the one helper every row uses."""
+    return run_once(provider, fn, exclude_bytes, leaves)[1]
+
+
+def autograd_row(provider, impl: str, forward, leaves, grad_out, check, exclude_bytes: int,
+                 warmup_ms: int = 25, rep_ms: int = 200) -> dict:
+    """A row for an implementation driven by torch autograd (torch, torch.compile, the peers):
+    ``forward()`` computes the output from ``leaves``; fwd is timed under ``no_grad``, fwd+bwd as
+    ``forward().backward(grad_out)`` with the leaves' gradients cleared first; ``check(out, grads)``
+    returns the error fields from the no-grad output and the leaves' gradients of the first fwd+bwd."""
+    import torch
+
+    def fwd():
+        with torch.no_grad():
+            return forward()
+
+    def fwdbwd():
+        clear_grads(leaves)
+        forward().backward(grad_out)
+
+    # compile and autotune (torch.compile, Triton) outside the timing; the output is read before any
+    # backward, since a peer may write its gradients into its inputs (Liger's SwiGLU)
+    out = fwd()
+    fwdbwd()
+    errors = check(out, [t.grad for t in leaves])
+    del out
+    row = {"impl": impl, "fwd_ms": bench_ms(fwd, warmup_ms, rep_ms), "fwdbwd_ms": bench_ms(fwdbwd, warmup_ms, rep_ms),
+           "peak_GiB": peak_GiB(provider, fwdbwd, exclude_bytes, leaves)}
+    row.update(errors)
+    return row
+
+
+def optional_row(rows: list, skipped: dict, impl: str, build) -> None:
+    """Append ``build()`` to ``rows``; an optional row (a peer, torch.compile) that cannot import or
+    run is recorded in ``skipped`` with the reason instead of failing the run."""
+    try:
+        rows.append(build())
+    except Exception as exc:  # an optional peer never fails a run; the JSON says why it is missing
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        skipped[impl] = f"{type(exc).__name__}: {first_line[:300]}"
+        print(f"  {impl}: skipped ({skipped[impl]})", flush=True)
+        traceback.print_exc(limit=-3)
 
 
 def TBps(n_bytes: float, ms: float) -> float:
@@ -42,4 +104,3 @@ def TBps(n_bytes: float, ms: float) -> float:
 
 def TFLOPs(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12
-

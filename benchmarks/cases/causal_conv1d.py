@@ -1,17 +1,19 @@
 """Causal depthwise conv1d fwd / fwd+bwd (PERFORMANCE.md): x [8, 4096, 2048] bf16 (channel-first),
 width 4, bias, silu. Our Triton and CUDA kernels against the torch composition (``F.conv1d`` with
-padding w - 1 and groups = dim, truncated, then silu) in the same process.
+padding w - 1 and groups = dim, truncated, then silu; eager and torch.compile) and, where its CUDA
+extension was built, the causal-conv1d package, in the same process.
 
 Bytes (bf16): forward reads x and writes out (2 elements a position); the backward reads x and dout
 and writes dx (3 more). ``TBps`` rows are those bytes over the time (the copy ceiling, measured by
 run.py in the same run, is the bound). ``channel_last`` times both backends with x, out, dout and dx
 stored [b, l, d];
-``sweep`` times other Triton tiles (dims x positions a tile, warps).
+``sweep`` (``run.py --sweeps``) times other Triton tiles (dims x positions a tile, warps).
 """
 
 from __future__ import annotations
 
-from common import TBps, bench_ms, peak_GiB
+import peers
+from common import TBps, autograd_row, bench_ms, optional_row, peak_GiB
 
 from paddlenlp_fused.kernels.cuda import causal_conv1d as CK
 from paddlenlp_fused.kernels.cuda import library
@@ -22,10 +24,11 @@ from paddlenlp_fused.testing.numerics import rel_err
 # backward 1 x 1024, 2 warps) won the H200 sweep of this session's device round A; the runners-up
 # and the previous defaults stay timed here.
 TRITON_FWD_SWEEP = [dict(block_d=2, block_l=1024, num_warps=4), dict(block_d=4, block_l=512, num_warps=4)]
+CUDA_PEER = "causal-conv1d CUDA"
 TRITON_BWD_SWEEP = [dict(block_d=1, block_l=2048, num_warps=4), dict(block_d=2, block_l=1024, num_warps=4)]
 
 
-def run(provider, quick: bool = False) -> dict:
+def run(provider, quick: bool = False, sweep: bool = False) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -79,28 +82,32 @@ def run(provider, quick: bool = False) -> dict:
                      "peak_GiB": peak_GiB(provider, lambda K=K: fwdbwd_alloc(K), exclude_bytes=grad_bytes),
                      "rel_err": rel_err(out.double().cpu().numpy(), ref)})
 
-    tx, tw, tb = (t.detach().clone().requires_grad_(True) for t in (x, weight, bias))
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, weight, bias)]
+    skipped = {}
 
-    def torch_fwd():
-        with torch.no_grad():
-            return torch_conv(tx, tw, tb)
+    def check(y, grads):
+        return {"rel_err": rel_err(y.double().cpu().numpy(), ref)}
 
-    def torch_fwdbwd():
-        tx.grad = tw.grad = tb.grad = None
-        torch_conv(tx, tw, tb).backward(dout)
+    rows.append(autograd_row(provider, "torch", lambda: torch_conv(*leaves), leaves, dout, check, grad_bytes))
+    torch_row = rows[-1]
+    compiled = torch.compile(torch_conv)
+    optional_row(rows, skipped, "torch.compile", lambda: autograd_row(
+        provider, "torch.compile", lambda: compiled(*leaves), leaves, dout, check, grad_bytes))
 
-    t_out = torch_fwd()
-    rows.append({"impl": "torch", "fwd_ms": bench_ms(torch_fwd), "fwdbwd_ms": bench_ms(torch_fwdbwd),
-                 "peak_GiB": peak_GiB(provider, torch_fwdbwd, exclude_bytes=grad_bytes),
-                 "rel_err": rel_err(t_out.double().cpu().numpy(), ref)})
-    del t_out, ref, tx, tw, tb
+    def cuda_peer():  # only where causal-conv1d's CUDA extension was built (README: "Peers")
+        fn = peers.load("causal_conv1d.causal_conv1d_interface").causal_conv1d_fn
+        return dict(autograd_row(provider, CUDA_PEER, lambda: fn(*leaves, activation="silu"),
+                                 leaves, dout, check, grad_bytes), peer=peers.describe("causal_conv1d"))
+
+    optional_row(rows, skipped, CUDA_PEER, cuda_peer)
+    del ref, leaves
 
     fwd_bytes = 2 * batch * dim * seqlen * esize
     fwdbwd_bytes = 5 * batch * dim * seqlen * esize
     for row in rows:
         row["fwd_TBps"] = TBps(fwd_bytes, row["fwd_ms"])
         row["fwdbwd_TBps"] = TBps(fwdbwd_bytes, row["fwdbwd_ms"])
-        row["speedup_vs_torch"] = rows[-1]["fwdbwd_ms"] / row["fwdbwd_ms"]
+        row["speedup_vs_torch"] = torch_row["fwdbwd_ms"] / row["fwdbwd_ms"]
 
     # channel-last x, out, dout, dx (stored [b, l, d]) on both backends
     x_last, dout_last = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (x, dout))
@@ -111,17 +118,18 @@ def run(provider, quick: bool = False) -> dict:
         channel_last.append({"impl": impl, "fwd_ms": bench_ms(fwd), "bwd_ms": bench_ms(bwd)})
         print(f"channel-last {impl}: fwd {channel_last[-1]['fwd_ms']:.4f} ms, bwd {channel_last[-1]['bwd_ms']:.4f} ms")
 
-    sweep = []
-    if not quick:
+    tiles = []
+    if sweep and not quick:
         for tile in TRITON_FWD_SWEEP:
             fwd = timings(TK, x, **tile)[0]
-            sweep.append({"pass": "fwd", **tile, "ms": bench_ms(fwd)})
-            print(f"triton sweep {sweep[-1]}")
+            tiles.append({"pass": "fwd", **tile, "ms": bench_ms(fwd)})
+            print(f"triton sweep {tiles[-1]}")
         for tile in TRITON_BWD_SWEEP:
             bwd = timings(TK, x, **tile)[1]
-            sweep.append({"pass": "bwd", **tile, "ms": bench_ms(bwd)})
-            print(f"triton sweep {sweep[-1]}")
+            tiles.append({"pass": "bwd", **tile, "ms": bench_ms(bwd)})
+            print(f"triton sweep {tiles[-1]}")
     return {"shape": {"batch": batch, "dim": dim, "seqlen": seqlen, "width": width, "dtype": dtype,
                       "layout": "channel-first", "bias": True, "activation": "silu"},
-            "bytes": {"fwd": fwd_bytes, "fwdbwd": fwdbwd_bytes}, "rows": rows, "channel_last": channel_last,
-            "sweep": sweep, "target": {"fwd_ms": 0.08, "fwdbwd_ms": 0.25}}
+            "bytes": {"fwd": fwd_bytes, "fwdbwd": fwdbwd_bytes}, "rows": rows, "skipped": skipped,
+            "channel_last": channel_last,
+            "sweep": tiles, "target": {"fwd_ms": 0.08, "fwdbwd_ms": 0.25}}

@@ -1,6 +1,8 @@
 """LayerNorm fwd+bwd, x [16384, 4096] bf16 with weight and bias (PERFORMANCE.md): our Triton and
-CUDA kernels against torch ``F.layer_norm`` (eager autograd) in the same process; ``rms_norm``
-runs the same code for RMSNorm.
+CUDA kernels against torch ``F.layer_norm`` (eager autograd and torch.compile), Liger-Kernel and
+flash-attn's Triton layer norm (and, for RMSNorm, mamba_ssm's Triton gated norm with no gate) in the
+same process, on the same inputs; ``rms_norm`` runs the same code for RMSNorm. The peers and
+torch.compile are optional rows: one that does not import or run is listed under ``skipped``.
 
 Bytes, PERFORMANCE.md's floor: the forward reads x and writes y (2MN elements); fwd+bwd reads x
 twice, dy once and writes y and dx (5MN elements, 10 bytes each in bf16). Weights, mean/rstd and
@@ -18,7 +20,8 @@ same launch (fwd+bwd: two launches, as the op runs them). Torch gets both timing
 
 from __future__ import annotations
 
-from common import GiB, TBps, bench_ms, peak_GiB
+import peers
+from common import GiB, TBps, autograd_row, bench_ms, clear_grads, optional_row, peak_GiB
 
 from paddlenlp_fused.kernels.cuda import norm as cuda_norm
 from paddlenlp_fused.kernels.triton import norm as triton_norm
@@ -71,28 +74,27 @@ def _ours(provider, backend, x, w, b, dy, is_rms):
 
 
 def _torch(x, w, b, dy, is_rms):
+    """torch's fwd and fwd+bwd closures, the leaves whose gradients fwd+bwd leaves (x, w(, b)), and
+    the composition ``norm(*leaves)`` (what torch.compile compiles)."""
     import torch
     import torch.nn.functional as F
 
     N = x.shape[1]
-    xg, wg = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
-    bg = None if b is None else b.detach().clone().requires_grad_(True)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, b) if t is not None]
 
-    def norm(t):
-        return F.rms_norm(t, (N,), wg, 1e-6) if is_rms else F.layer_norm(t, (N,), wg, bg, 1e-5)
+    def norm(t, wt, bt=None):
+        return F.rms_norm(t, (N,), wt, 1e-6) if is_rms else F.layer_norm(t, (N,), wt, bt, 1e-5)
 
     def fwd():
         with torch.no_grad():
-            return norm(xg)
+            return norm(*leaves)
 
     def fwdbwd():
-        xg.grad = wg.grad = None
-        if bg is not None:
-            bg.grad = None
-        norm(xg).backward(dy)
-        return xg.grad, wg.grad, bg.grad if bg is not None else None
+        clear_grads(leaves)
+        norm(*leaves).backward(dy)
+        return [t.grad for t in leaves]
 
-    return fwd, fwdbwd, xg
+    return fwd, fwdbwd, leaves, norm
 
 
 def _reference(x, w, b, dy, is_rms):
@@ -142,6 +144,49 @@ def graph_ms(provider, fn, rep_ms: int = 100):
     return bench_ms(graph.replay, warmup_ms=10, rep_ms=rep_ms)
 
 
+def _peer_rows(provider, leaves, norm, dy, is_rms, ref_y, ref_dx, grad_bytes, skipped) -> list:
+    """torch.compile of the composition and the peers, on torch's leaves (x, w(, b)), each an
+    optional row (``skipped`` says why one is missing)."""
+    import torch
+
+    x, w = leaves[:2]
+    b = leaves[2] if len(leaves) > 2 else None
+    eps = 1e-6 if is_rms else 1e-5
+
+    def check(y, grads):
+        return {"rel_err": _err(y, ref_y), "rel_err_dx": _err(grads[0], ref_dx)}
+
+    def row(impl, forward, grad_out=dy):
+        return lambda: autograd_row(provider, impl, forward, leaves, grad_out, check, grad_bytes)
+
+    def liger():
+        if is_rms:  # Liger's defaults: LLaMA casting, and dx written into the incoming gradient
+            f = peers.load("liger_kernel.ops.rms_norm").LigerRMSNormFunction
+            return lambda: f.apply(x, w, eps)
+        f = peers.load("liger_kernel.ops.layer_norm").LigerLayerNormFunction
+        return lambda: f.apply(x, w, b, eps)
+
+    def flash_attn():
+        ln = peers.load("flash_attn.ops.triton.layer_norm")
+        return (lambda: ln.rms_norm_fn(x, w, None, eps=eps)) if is_rms else (lambda: ln.layer_norm_fn(x, w, b, eps=eps))
+
+    def mamba_gated():
+        f = peers.load("mamba_ssm.ops.triton.layernorm_gated").rmsnorm_fn
+        return lambda: f(x, w, None, z=None, eps=eps)
+
+    rows = []
+    compiled = torch.compile(norm)
+    optional_row(rows, skipped, "torch.compile", row("torch.compile", lambda: compiled(*leaves)))
+    # Liger's RMSNorm writes dx into the gradient it is given: a private copy of dy
+    liger_name = "Liger (dx written into dy)" if is_rms else "Liger"
+    optional_row(rows, skipped, liger_name, lambda: row(liger_name, liger(), dy.clone() if is_rms else dy)())
+    optional_row(rows, skipped, "flash-attn Triton", lambda: row("flash-attn Triton", flash_attn())())
+    if is_rms:
+        name = "mamba_ssm Triton gated RMSNorm (z=None)"
+        optional_row(rows, skipped, name, lambda: row(name, mamba_gated())())
+    return rows
+
+
 def run_norm(provider, quick: bool, is_rms: bool) -> dict:
     M, N = (2048, 4096) if quick else CANONICAL
     esize = 2
@@ -160,16 +205,18 @@ def run_norm(provider, quick: bool, is_rms: bool) -> dict:
                      "peak_GiB": peak_GiB(provider, fresh, exclude_bytes=grad_bytes),
                      "rel_err": _err(out["y"], ref_y), "rel_err_dx": _err(out["dx"], ref_dx)})
         del out
-    t_fwd, t_fwdbwd, xg = _torch(x, w, b, dy, is_rms)
+    t_fwd, t_fwdbwd, leaves, norm = _torch(x, w, b, dy, is_rms)
     t_fwdbwd()
     rows.append({"impl": "torch", "fwd_ms": bench_ms(t_fwd), "fwdbwd_ms": bench_ms(t_fwdbwd),
                  "fwd_graph_ms": graph_ms(provider, t_fwd), "fwdbwd_graph_ms": graph_ms(provider, t_fwdbwd),
-                 "peak_GiB": peak_GiB(provider, t_fwdbwd, exclude_bytes=grad_bytes),
+                 "peak_GiB": peak_GiB(provider, t_fwdbwd, exclude_bytes=grad_bytes, leaves=leaves),
                  "rel_err": _err(t_fwd(), ref_y), "rel_err_dx": _err(t_fwdbwd()[0], ref_dx)})
-    del xg, ref_y, ref_dx, x, w, b, dy
+    torch_row, skipped = rows[-1], {}
+    rows += _peer_rows(provider, leaves, norm, dy, is_rms, ref_y, ref_dx, grad_bytes, skipped)
+    del leaves, ref_y, ref_dx, x, w, b, dy
     for row in rows:
         for key in ("fwdbwd_ms", "fwdbwd_graph_ms"):
-            torch_ms = rows[-1].get(key)
+            torch_ms = torch_row.get(key)
             if row.get(key) and torch_ms:
                 suffix = "_graph" if "graph" in key else ""
                 row[f"speedup_vs_torch{suffix}"] = torch_ms / row[key]
@@ -190,7 +237,7 @@ def run_norm(provider, quick: bool, is_rms: bool) -> dict:
             entry[f"{name}_fwdbwd_ms"] = bench_ms(fwdbwd, rep_ms=40)
             entry[f"{name}_fwd_graph_ms"] = graph_ms(provider, fwd, rep_ms=30)
             entry[f"{name}_fwdbwd_graph_ms"] = graph_ms(provider, fwdbwd, rep_ms=30)
-        t_fwd, t_fwdbwd, xg = _torch(x, w, b, dy, is_rms)
+        _, t_fwdbwd, leaves, _ = _torch(x, w, b, dy, is_rms)
         t_fwdbwd()
         entry["torch_fwdbwd_ms"] = bench_ms(t_fwdbwd, rep_ms=40)
         entry["torch_fwdbwd_graph_ms"] = graph_ms(provider, t_fwdbwd, rep_ms=30)
@@ -199,15 +246,16 @@ def run_norm(provider, quick: bool, is_rms: bool) -> dict:
             entry[key.replace("_ms", "_TBps")] = TBps(n_bytes, entry[key])
         sweep.append(entry)
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in entry.items()), flush=True)
-        del x, w, b, dy, impls, xg
+        del x, w, b, dy, impls, leaves
 
     return {"shape": {"M": M, "N": N, "dtype": DTYPE, "weight": "weight" if is_rms else "weight+bias"},
             "bytes": {"fwd": fwd_bytes, "fwdbwd": fwdbwd_bytes,
                       "floor_fwdbwd_ms_at_4.25TBps": fwdbwd_bytes / 4.25e12 * 1e3},
-            "rows": rows, "target": TARGETS[is_rms], "sweep": sweep,
+            "rows": rows, "skipped": skipped, "target": TARGETS[is_rms], "sweep": sweep,
             "timing": "*_ms: eager launcher calls (common.bench_ms); *_graph_ms: the same calls replayed as a "
                       "CUDA graph (no host launch cost); both medians with L2 flushed before each call",
-            "peak_note": f"peak_GiB excludes dx, dweight(, dbias): {grad_bytes / GiB:.3f} GiB"}
+            "peak_note": f"peak_GiB excludes dx, dweight(, dbias): {grad_bytes / GiB:.3f} GiB",
+            "peer_versions": {top: peers.describe(top) for top in ("liger_kernel", "flash_attn", "mamba_ssm")}}
 
 
 def run(provider, quick: bool = False) -> dict:

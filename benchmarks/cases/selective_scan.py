@@ -1,12 +1,13 @@
 """Mamba-1 selective scan fwd / fwd+bwd (PERFORMANCE.md): u, delta, z [8, 4096, 2048] bf16, dstate 16,
 input-dependent B/C [8, 16, 2048] bf16, D and delta_bias fp32, softplus. Our CUDA and Triton kernels
-against the torch composition (mamba_ssm's sequential ``selective_scan_ref``) in the same process.
+against the torch composition (mamba_ssm's sequential ``selective_scan_ref``) and, where its CUDA
+extension was built, mamba_ssm's ``selective_scan_fn``, in the same process.
 
 The torch composition runs a Python loop over seqlen (~160-230 ms per batch element forward on an
 H200), so it is timed once on batch 1 and reported per batch element next to ours
-(``*_per_batch_ms``); ``speedup_vs_torch`` compares those. ``sweep`` times the other launch
-configurations of both backends (CUDA: dims (warps) a block; Triton: dims a program, and in the
-backward dims each thread holds); the defaults are picked from it. Each backend's output and du are
+(``*_per_batch_ms``); ``speedup_vs_torch`` compares those. ``sweep`` (``run.py --sweeps``) times
+the other launch configurations of both backends (CUDA: dims (warps) a block; Triton: dims a
+program, and in the backward dims each thread holds); the defaults were picked from it. Each backend's output and du are
 checked against a float64 recurrence on the first CHECK_DIMS dims of batch 0 (``rel_err``,
 ``rel_err_du``).
 
@@ -17,12 +18,14 @@ dout and writes du, ddelta, dz (plus fp32 atomics into dB, dC).
 from __future__ import annotations
 
 import numpy as np
-from common import GiB, TBps, bench_ms, peak_GiB
+import peers
+from common import GiB, TBps, autograd_row, bench_ms, optional_row, peak_GiB, run_once
 
 from paddlenlp_fused.kernels.cuda import selective_scan as CK
 from paddlenlp_fused.kernels.triton import selective_scan as TK
 from paddlenlp_fused.testing.numerics import rel_err
 
+CUDA_PEER = "mamba_ssm CUDA selective_scan_fn"
 CHECK_DIMS = 64  # dims of batch 0 checked against float64 (a sequential numpy loop)
 KERNELS = {"paddlenlp_fused/cuda": CK, "paddlenlp_fused/triton": TK}
 # launcher options timed besides each backend's defaults: (forward, backward) lists of keyword sets
@@ -54,24 +57,7 @@ def _reference64(u, delta, A, B, C, D, z, bias, dout):
     return out, du
 
 
-def _once_ms(provider, fn) -> tuple:
-    """(milliseconds, peak GiB above the start) of one call (for the slow torch loop)."""
-    import torch
-
-    provider.synchronize()
-    before = provider.memory_allocated()
-    provider.reset_peak_memory()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    keep = fn()
-    end.record()
-    provider.synchronize()
-    peak = provider.peak_memory()
-    del keep
-    return start.elapsed_time(end), (peak - before) / GiB
-
-
-def run(provider, quick: bool = False) -> dict:
+def run(provider, quick: bool = False, sweep: bool = False) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -92,7 +78,7 @@ def run(provider, quick: bool = False) -> dict:
                                    provider.to_numpy(z[sl]), provider.to_numpy(bias[:CHECK_DIMS]),
                                    provider.to_numpy(dout[sl]))
 
-    rows, sweep, memory = [], [], {}
+    rows, launch_sweep, memory, skipped = [], [], {}, {}
     for impl, K in KERNELS.items():
         plan = K.scan_plan(seqlen)
         out, du, ddelta, dz = (provider.empty(seq_shape, dtype) for _ in range(4))
@@ -137,18 +123,19 @@ def run(provider, quick: bool = False) -> dict:
               f"du {row['rel_err_du']:.2e}", flush=True)
         memory[impl] = {"saved_states_GiB": _f32_bytes(states) / GiB,
                         "bwd_workspace_GiB": 0.0 if work is None else _f32_bytes(work) / GiB}
-        if not quick:
+        if sweep and not quick:
             fwd_options, bwd_options = SWEEP[impl]
             for kernel, fn, option_sets in (("fwd", fwd, fwd_options), ("bwd", bwd, bwd_options)):
                 for options in option_sets:
                     ms = bench_ms(lambda: fn(options), rep_ms=100)
-                    sweep.append({"impl": impl, "kernel": kernel, **options, "ms": ms})
+                    launch_sweep.append({"impl": impl, "kernel": kernel, **options, "ms": ms})
                     print(f"  sweep {impl} {kernel} {options}: {ms:.3f} ms", flush=True)
         del out, du, ddelta, dz, states, work, acc
 
     # torch composition (mamba_ssm's selective_scan_ref), one batch element, timed once
     tu, tdelta, tz, tB, tC = (t[:1].detach().clone().requires_grad_(True) for t in (u, delta, z, B, C))
     tA, tD, tbias = (t.detach().clone().requires_grad_(True) for t in (A, D, bias))
+    leaves = (tu, tdelta, tz, tB, tC, tA, tD, tbias)
 
     def torch_scan():
         dt = F.softplus(tdelta.float() + tbias[:, None])
@@ -167,20 +154,36 @@ def run(provider, quick: bool = False) -> dict:
             return torch_scan()
 
     def torch_fwdbwd():
-        for t in (tu, tdelta, tz, tB, tC, tA, tD, tbias):
-            t.grad = None
         torch_scan().backward(dout[:1])
 
     t_out = torch_fwd()  # warm-up, and the output checked
-    fwd_ms, _ = _once_ms(provider, torch_fwd)
-    fwdbwd_ms, peak = _once_ms(provider, torch_fwdbwd)
+    # timed once (a Python loop of seqlen steps): wall clock of one synchronised call, and its peak
+    fwd_ms, _ = run_once(provider, torch_fwd)
+    fwdbwd_ms, peak = run_once(provider, torch_fwdbwd, grad_bytes // batch, leaves)
     torch_row = {"impl": "torch (sequential, batch 1)", "batch": 1, "fwd_ms": fwd_ms, "fwdbwd_ms": fwdbwd_ms,
-                 "peak_GiB": max(0.0, peak - grad_bytes / batch / GiB),
-                 "rel_err": rel_err(provider.to_numpy(t_out[sl]), ref_out),
-                 "rel_err_du": rel_err(provider.to_numpy(tu.grad[sl]), ref_du)}
+                 "peak_GiB": peak, "rel_err": rel_err(provider.to_numpy(t_out[sl]), ref_out),
+                 "rel_err_du": rel_err(provider.to_numpy(tu.grad[sl]), ref_du),
+                 "timing": "one call, wall clock (not do_bench)"}
     torch_row["fwd_per_batch_ms"], torch_row["fwdbwd_per_batch_ms"] = fwd_ms, fwdbwd_ms
     rows.append(torch_row)
     print(f"torch: fwd {fwd_ms:.1f} ms, fwd+bwd {fwdbwd_ms:.1f} ms (batch 1)", flush=True)
+    del leaves, t_out, tu, tdelta, tz, tB, tC, tA, tD, tbias
+    skipped["torch.compile"] = "not run: the composition is a Python loop of seqlen steps"
+
+    def cuda_peer():  # only where mamba_ssm's selective-scan CUDA extension was built (README: "Peers")
+        fn = peers.load("mamba_ssm.ops.selective_scan_interface").selective_scan_fn
+        pl = [t.detach().clone().requires_grad_(True) for t in (u, delta, A, B, C, D, z, bias)]
+
+        def check(out, grads):
+            return {"rel_err": rel_err(provider.to_numpy(out[sl]), ref_out),
+                    "rel_err_du": rel_err(provider.to_numpy(grads[0][sl]), ref_du)}
+
+        row = autograd_row(provider, CUDA_PEER, lambda: fn(*pl[:7], delta_bias=pl[7], delta_softplus=True), pl,
+                           dout, check, grad_bytes)
+        row["fwd_per_batch_ms"], row["fwdbwd_per_batch_ms"] = row["fwd_ms"] / batch, row["fwdbwd_ms"] / batch
+        return dict(row, peer=peers.describe("mamba_ssm"))
+
+    optional_row(rows, skipped, CUDA_PEER, cuda_peer)
 
     fwd_bytes = (4 * batch * dim * seqlen + 2 * batch * dstate * seqlen) * esize
     fwdbwd_bytes = fwd_bytes + (7 * batch * dim * seqlen + 2 * batch * dstate * seqlen) * esize
@@ -193,8 +196,8 @@ def run(provider, quick: bool = False) -> dict:
                       "B_C": "input-dependent [batch, dstate, seqlen]", "D": True, "z": True, "delta_bias": True,
                       "delta_softplus": True},
             "bytes": {"fwd": fwd_bytes, "fwdbwd": fwdbwd_bytes},
-            "rows": rows, "sweep": sweep, "target": {"fwd_ms": 1.0, "fwdbwd_ms": 5.0},
-            "peer": {"mamba_ssm CUDA": {"fwd_ms": 1.160, "fwdbwd_ms": 5.991}}, "memory": memory}
+            "rows": rows, "skipped": skipped, "sweep": launch_sweep, "target": {"fwd_ms": 1.0, "fwdbwd_ms": 5.0},
+            "memory": memory}
 
 
 def _f32_bytes(t) -> int:

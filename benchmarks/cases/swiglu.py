@@ -1,5 +1,6 @@
 """SwiGLU fwd+bwd, x [16384, 2*14336] bf16 (PERFORMANCE.md): our Triton kernels against the torch
-composition (eager and torch.compile) in the same process.
+composition (eager and torch.compile) and Liger-Kernel in the same process (optional rows: a peer
+that does not import or run is listed under ``skipped``).
 
 Bytes: forward reads x (2H) and writes out (H); backward reads x (2H) and dout (H) and writes dx
 (2H): 8 elements a row-position, 16 bytes in bf16.
@@ -7,10 +8,13 @@ Bytes: forward reads x (2H) and writes out (H); backward reads x (2H) and dout (
 
 from __future__ import annotations
 
-from common import GiB, TBps, bench_ms, peak_GiB
+import peers
+from common import TBps, autograd_row, bench_ms, optional_row, peak_GiB
 
 from paddlenlp_fused.kernels.triton.gated_activation import gated_activation_bwd, gated_activation_fwd
 from paddlenlp_fused.testing.numerics import rel_err
+
+LIGER = "Liger SiLUMul (gate, up apart; gradients written into its inputs)"
 
 
 def run(provider, quick: bool = False) -> dict:
@@ -42,35 +46,38 @@ def run(provider, quick: bool = False) -> dict:
         return o, d
 
     ref = (F.silu(x[:, :H].double()) * x[:, H:].double())
+    ref_np = ref.cpu().numpy()
+    del ref
     ours_fwd()
     provider.synchronize()
+    grad_bytes = 2 * M * H * esize  # dx
     rows = [{"impl": "paddlenlp_fused/triton", "fwd_ms": bench_ms(ours_fwd), "fwdbwd_ms": bench_ms(ours_fwdbwd),
-             "peak_GiB": peak_GiB(provider, ours_alloc, exclude_bytes=2 * M * H * esize),
-             "rel_err": rel_err(out.double().cpu().numpy(), ref.cpu().numpy())}]
+             "peak_GiB": peak_GiB(provider, ours_alloc, exclude_bytes=grad_bytes),
+             "rel_err": rel_err(out.double().cpu().numpy(), ref_np)}]
+    skipped = {}
+
+    def check(y, grads):
+        return {"rel_err": rel_err(y.double().cpu().numpy(), ref_np)}
 
     def torch_eager(t):
         a, b = t.chunk(2, dim=-1)
         return F.silu(a) * b
 
-    compiled = torch.compile(torch_eager)
-    for name, fn in (("torch", torch_eager), ("torch.compile", compiled)):
-        xg = x.detach().clone().requires_grad_(True)
+    xg = x.detach().clone().requires_grad_(True)
+    rows.append(autograd_row(provider, "torch", lambda: torch_eager(xg), [xg], dy, check, grad_bytes))
+    optional_row(rows, skipped, "torch.compile", lambda: autograd_row(
+        provider, "torch.compile", lambda f=torch.compile(torch_eager): f(xg), [xg], dy, check, grad_bytes))
+    del xg
 
-        def fwd():
-            with torch.no_grad():
-                return fn(xg)
+    def liger_row():
+        # Liger takes gate and up as two tensors and writes their gradients into them (its backward
+        # returns its saved inputs overwritten): contiguous halves, made once, outside the timing
+        silu_mul = peers.load("liger_kernel.ops.swiglu").LigerSiLUMulFunction
+        a, b = (t.contiguous().requires_grad_(True) for t in x.detach().chunk(2, dim=-1))
+        return dict(autograd_row(provider, LIGER, lambda: silu_mul.apply(a, b), [a, b], dy, check, grad_bytes),
+                    peer=peers.describe("liger_kernel"))
 
-        def fwdbwd():
-            xg.grad = None
-            fn(xg).backward(dy)
-            return xg.grad
-
-        fwdbwd()
-        y = fwd()
-        rows.append({"impl": name, "fwd_ms": bench_ms(fwd), "fwdbwd_ms": bench_ms(fwdbwd),
-                     "peak_GiB": peak_GiB(provider, fwdbwd, exclude_bytes=2 * M * H * esize),
-                     "rel_err": rel_err(y.double().cpu().numpy(), ref.cpu().numpy())})
-        del xg
+    optional_row(rows, skipped, LIGER, liger_row)
     for row in rows:
         row["fwd_TBps"] = TBps(fwd_bytes, row["fwd_ms"])
         row["fwdbwd_TBps"] = TBps(fwdbwd_bytes, row["fwdbwd_ms"])
@@ -78,5 +85,5 @@ def run(provider, quick: bool = False) -> dict:
     for row in rows:
         row["speedup_vs_torch"] = torch_ms / row["fwdbwd_ms"]
     return {"shape": {"M": M, "two_H": 2 * H, "dtype": dtype},
-            "bytes": {"fwd": fwd_bytes, "fwdbwd": fwdbwd_bytes}, "rows": rows,
+            "bytes": {"fwd": fwd_bytes, "fwdbwd": fwdbwd_bytes}, "rows": rows, "skipped": skipped,
             "target": {"fwdbwd_TBps": 3.4}}
