@@ -367,10 +367,11 @@ def test_amp_o1_float32_parameters_with_low_precision_activations(dtype):
     dx, dw, db = paddle.grad(dense, [x, w, b], randn((2, 5, 9), dtype))
     assert dense.dtype == x.dtype and dw.dtype == paddle.float32 and db.dtype == paddle.float32
 
-    layer = FusedMLP(16, 24, 12, backend="triton")  # fp32 parameters
-    out = layer(x)
-    out.astype("float32").sum().backward()
-    assert out.dtype == x.dtype and layer.fc1.weight.grad.dtype == paddle.float32
+    for layer in (FusedMLP(16, 24, 12, backend="triton"), ParallelFusedMLP(16, 24, 12, backend="triton")):
+        out = layer(x)  # fp32 parameters
+        out.astype("float32").sum().backward()
+        assert out.dtype == x.dtype and layer.fc1.weight.grad.dtype == paddle.float32
+        assert layer.fc2.bias.grad.dtype == paddle.float32
 
 
 def test_amp_autocast_casts_float32_inputs(monkeypatch):

@@ -11,10 +11,9 @@ fp32, not tf32). Epilogues, each a compile-time flag:
                 input-gradient GEMM)
 Activations: gelu_approx (tanh), gelu (erf), relu, sqrelu (relu squared). ``gemm(..., dbias=...)``
 also writes the bias gradient of a weight-gradient GEMM dW = x^T @ dy, dbias[N] = sum over k of
-b[k, N], by ``_column_sum`` (one program per column block sums in order: deterministic). It is a
-separate pass over dy (an estimated ~4% of the GEMM's time at the MLP's shape): summing b inside the
-GEMM's main loop gave a wrong dW (6.6% error) with the 128x256 3-stage tile on sm_90 (Triton 3.6;
-the other tiles were right), so the reduction stays out of the pipelined loop.
+b[k, N], by ``_column_sum`` (one program per column block sums in order: deterministic), a separate
+pass over dy: summed inside the GEMM's main loop it gave a wrong dW with the 128x256 3-stage tile on
+sm_90 (Triton 3.6), so the reduction stays out of the pipelined loop.
 
 Elementwise ``act_fwd(pre, out)``, ``act_bwd(pre, dout, dpre)`` on contiguous tensors of any shape
 (the gated activations are ``gated_activation.py``'s kernels). Column-sum passes for GEMMs that
