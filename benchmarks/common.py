@@ -63,7 +63,8 @@ def autograd_row(provider, impl: str, forward, leaves, grad_out, check, exclude_
     """A row for an implementation driven by torch autograd (torch, torch.compile, the peers):
     ``forward()`` computes the output from ``leaves``; fwd is timed under ``no_grad``, fwd+bwd as
     ``forward().backward(grad_out)`` with the leaves' gradients cleared first; ``check(out, grads)``
-    returns the error fields from the no-grad output and the leaves' gradients of the first fwd+bwd."""
+    returns the error fields from the no-grad output and the leaves' gradients of the first fwd+bwd.
+    The leaves keep the gradients of the last call (the peak's) when it returns."""
     import torch
 
     def fwd():

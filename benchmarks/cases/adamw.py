@@ -13,7 +13,8 @@ its tables in place (``fwd_ms`` repeats it so the runner's table and plot show i
 ``step_wall_ms``: host wall clock per step over 20 synchronised steps; ours then also does what
 FusedAdamW does on the host every step (offsets table from the addresses, the scalar table
 uploaded by a synchronous copy, the launch). Launch configurations (block, iters, warps, register
-cap) are swept, each checked against float64 on one tensor; the rows use the module's default.
+cap) are swept with ``run.py --sweeps``, each checked against float64 on one tensor; the rows use the
+module's default.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _wall_ms(provider, fn, steps: int = 20) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def _ours(provider, shapes):
+def _ours(provider, shapes, sweep):
     import torch
 
     params = [provider.randn(s, "bfloat16") for s in shapes]
@@ -105,10 +106,10 @@ def _ours(provider, shapes):
         provider.synchronize()
         return fn, rel_err(provider.to_numpy(masters[CHECKED]), _adamw64(*before, decays[CHECKED], STEP))
 
-    sweep = []
-    for config in SWEEP:
+    configs = []
+    for config in SWEEP if sweep else ():
         fn, err = checked(config, True)
-        sweep.append({"block": config[0], "iters": config[1], "num_warps": config[2], "maxnreg": config[3],
+        configs.append({"block": config[0], "iters": config[1], "num_warps": config[2], "maxnreg": config[3],
                       "step_ms": bench_ms(fn), "rel_err": err})
     rows = []
     for name, sr in (("paddlenlp_fused/triton", True), ("paddlenlp_fused/triton nearest", False)):
@@ -116,7 +117,7 @@ def _ours(provider, shapes):
         rows.append({"impl": name, "step_ms": bench_ms(fn), "peak_GiB": peak_GiB(provider, fn), "rel_err": err,
                      "step_wall_ms": _wall_ms(provider, kernel_fn(DEFAULT, sr, per_step_host_work=True)),
                      "bytes_per_param": 22, "stochastic_rounding": sr})
-    return rows, sweep
+    return rows, configs
 
 
 def _torch(provider, shapes, dtype_name):
@@ -146,15 +147,15 @@ def _torch(provider, shapes, dtype_name):
     return row
 
 
-def run(provider, quick: bool = False) -> dict:
+def run(provider, quick: bool = False, sweep: bool = False) -> dict:
     import torch
 
     shapes = llama_shapes(layers=2 if quick else 22)
     n = sum(int(np.prod(s)) for s in shapes)
-    rows, sweep = _ours(provider, shapes)
+    rows, configs = _ours(provider, shapes, sweep)
     torch.cuda.empty_cache()
     rows += [_torch(provider, shapes, "float32"), _torch(provider, shapes, "bfloat16")]
-    for entry in sweep:
+    for entry in configs:
         entry["TBps"] = TBps(22 * n, entry["step_ms"])
     by_name = {row["impl"]: row for row in rows}
     for row in rows:
@@ -164,7 +165,9 @@ def run(provider, quick: bool = False) -> dict:
         row["speedup_vs_torch_bf16"] = by_name["torch AdamW(fused) bf16"]["step_ms"] / row["step_ms"]
     return {"shape": {"params": n, "tensors": len(shapes), "param_dtype": "bfloat16", "master": "float32",
                       "moments": "bfloat16"},
-            "rows": rows, "sweep": sweep,
+            "rows": rows, "sweep": configs,
+            "skipped": {"torch.compile": "not run: torch's own fused AdamW (one multi-tensor CUDA kernel) is the "
+                                         "torch row"},
             "default_config": {"block": BLOCK, "iters": ITERS, "num_warps": NUM_WARPS, "maxnreg": MAXNREG},
             "note": "fwd_ms = one optimizer step; TB/s over the bytes each implementation moves per parameter",
             "target": {"step_TBps": 3.0, "step_ms_at_1e9": 7.3}}

@@ -1,7 +1,7 @@
 """Contrastive (InfoNCE) loss fwd+bwd, q, k [65536, 512] fp32 in, scale 20 (PERFORMANCE.md): our
 Triton kernels (bf16 tensor cores on the fp32 inputs, fp32 accumulation) against the torch
-composition ``F.cross_entropy(scale * q @ k.T, labels)`` (fp32, cuBLAS) in the same process; also at
-[16384, 512]. Our path is the op's (``precision="bf16"``): no bf16 copy of q or k; their chunks are
+composition ``F.cross_entropy(scale * q @ k.T, labels)`` (fp32, cuBLAS; eager, and torch.compile)
+and Inf-CL's Triton ``cal_flash_loss`` in the same process; also ours and eager torch at [16384, 512]. Our path is the op's (``precision="bf16"``): no bf16 copy of q or k; their chunks are
 rounded into constant-size bf16 buffers (``stage_a``/``stage``, the "ab" mode) or, unstaged, their
 fp32 tiles are rounded in registers.
 
@@ -15,19 +15,22 @@ peak memory of one fwd+bwd beyond inputs and their gradients. Memory against the
 constant G chunk, 8192^2 bf16 = 0.125 GiB, the staging buffers and per-row vectors), torch's where
 its [B, B] scores fit (``torch_peak_GiB_by_rows``; at 262144 they would take 256 GiB).
 
-Before the canonical rows, the case times the staging modes with a few tile configurations at
-65536 (``sweep``) and reports the rows with the fastest (listed under ``config``).
+With ``run.py --sweeps``, before the canonical rows, the case times the staging modes with a few tile
+configurations at 65536 (``sweep``) and reports the rows with the fastest (listed under ``config``);
+without it, the defaults those sweeps picked.
 """
 
 from __future__ import annotations
 
-from common import GiB, TFLOPs, bench_ms, peak_GiB
+import peers
+from common import GiB, TFLOPs, autograd_row, bench_ms, optional_row, peak_GiB
 
 from paddlenlp_fused.kernels.triton.contrastive import (FWD_STAGE_ROWS, GRAD_CHUNK, STAGE_A_DEFAULT, STAGED_DEFAULT,
                                                        TileConfig, contrastive_grad_accumulate, contrastive_lse_fwd,
                                                        grad_workspace_shape, stage_shape)
 from paddlenlp_fused.testing.numerics import rel_err
 
+INF_CL = "Inf-CL cal_flash_loss (fp32)"
 SCALE = 20.0
 D = 512
 PRECISION = "bf16"
@@ -122,31 +125,52 @@ def _loss64(torch, q, k, symmetric, chunk=8192):
     return 0.5 * (loss + direction(k64, q64)) if symmetric else loss
 
 
-def _torch_rows(provider, torch, q, k, symmetric, loss64, label):
+def _composition(torch, q, k, symmetric):
+    """``F.cross_entropy(scale * q @ k.T, arange)`` (and its transpose for the symmetric loss)."""
     F = torch.nn.functional
     labels = torch.arange(q.shape[0], device=q.device)
-    qg, kg = q.detach().clone().requires_grad_(True), k.detach().clone().requires_grad_(True)
+    logits = SCALE * q @ k.T
+    loss = F.cross_entropy(logits, labels)
+    return 0.5 * (loss + F.cross_entropy(logits.T, labels)) if symmetric else loss
 
-    def loss_of():
-        logits = SCALE * qg @ kg.T
-        loss = F.cross_entropy(logits, labels)
-        return 0.5 * (loss + F.cross_entropy(logits.T, labels)) if symmetric else loss
 
-    def fwd():
-        with torch.no_grad():
-            return loss_of()
+def _torch_rows(provider, torch, q, k, symmetric, loss64, label):
+    """torch's row, and its fp32 gradients (those of the row's last call), the reference of ours."""
+    leaves = [q.detach().clone().requires_grad_(True), k.detach().clone().requires_grad_(True)]
 
-    def fwdbwd():
-        qg.grad = kg.grad = None
-        loss_of().backward()
-        return qg.grad, kg.grad
+    def check(loss, grads):
+        return {"rel_err": abs(float(loss) - loss64) / abs(loss64)}
 
-    loss = float(fwd())
-    grads = fwdbwd()
-    row = {"impl": f"torch{label}", "B": q.shape[0], "fwd_ms": bench_ms(fwd), "fwdbwd_ms": bench_ms(fwdbwd),
-           "peak_GiB": peak_GiB(provider, fwdbwd, exclude_bytes=2 * q.numel() * 4),
-           "rel_err": abs(loss - loss64) / abs(loss64)}
-    return row, (grads[0].detach().clone(), grads[1].detach().clone())
+    row = autograd_row(provider, f"torch{label}", lambda: _composition(torch, *leaves, symmetric), leaves, None,
+                       check, exclude_bytes=2 * q.numel() * 4)
+    row["B"] = q.shape[0]
+    return row, (leaves[0].grad, leaves[1].grad)
+
+
+def _peer_rows(provider, torch, q, k, loss64, torch_grads, skipped) -> list:
+    """torch.compile of the composition and Inf-CL's ``cal_flash_loss`` (mean of its per-row losses),
+    optional rows on the same inputs."""
+    leaves = [q.detach().clone().requires_grad_(True), k.detach().clone().requires_grad_(True)]
+
+    def check(loss, grads):
+        return {"rel_err": abs(float(loss) - loss64) / abs(loss64),
+                "dq_rel_err": rel_err(grads[0].double().cpu().numpy(), torch_grads[0].double().cpu().numpy()),
+                "dk_rel_err": rel_err(grads[1].double().cpu().numpy(), torch_grads[1].double().cpu().numpy())}
+
+    def row(impl, forward):
+        return lambda: dict(autograd_row(provider, impl, forward, leaves, None, check, 2 * q.numel() * 4),
+                            B=q.shape[0])
+
+    def inf_cl():
+        fn = peers.load("inf_cl.flash").cal_flash_loss
+        labels = torch.arange(q.shape[0], device=q.device)
+        return dict(row(INF_CL, lambda: fn(*leaves, labels, scale=SCALE).mean())(), peer=peers.describe("inf_cl"))
+
+    rows = []
+    compiled = torch.compile(lambda a, b: _composition(torch, a, b, False))
+    optional_row(rows, skipped, "torch.compile", row("torch.compile", lambda: compiled(*leaves)))
+    optional_row(rows, skipped, INF_CL, inf_cl)
+    return rows
 
 
 def _our_row(provider, torch, ours, q, k, loss64, label, torch_grads=None):
@@ -181,11 +205,14 @@ def _sweep(provider, torch, q, k):
     return best[1], table
 
 
-def _rows_at(provider, torch, q, k, ours, symmetric_ours, label):
-    """Our row and torch's at this batch (and our symmetric row when given)."""
+def _rows_at(provider, torch, q, k, ours, symmetric_ours, label, skipped=None):
+    """Our row and torch's at this batch (with ``skipped``, also the optional rows; and our symmetric
+    row when given)."""
     loss64 = _loss64(torch, q, k, False)
     torch_row, torch_grads = _torch_rows(provider, torch, q, k, False, loss64, label)
     rows = [_our_row(provider, torch, ours, q, k, loss64, label, torch_grads), torch_row]
+    if skipped is not None:
+        rows += _peer_rows(provider, torch, q, k, loss64, torch_grads, skipped)
     del torch_grads
     if symmetric_ours is not None:
         rows.append(_our_row(provider, torch, symmetric_ours, q, k, _loss64(torch, q, k, True), "/symmetric"))
@@ -197,19 +224,20 @@ def _peak_at(provider, torch, ours, B):
     return peak_GiB(provider, lambda: ours.fwdbwd(q, k), exclude_bytes=2 * q.numel() * 4)
 
 
-def run(provider, quick: bool = False) -> dict:
+def run(provider, quick: bool = False, sweep: bool = False) -> dict:
     import torch
 
     big, small = (4096, 1024) if quick else (65536, 16384)
     q, k = _inputs(provider, torch, big)
-    if quick:
-        best, sweep = dict(fwd=None, grad=None, matmul=None), {}
-    else:
-        best, sweep = _sweep(provider, torch, q, k)
+    if sweep and not quick:
+        best, staging_sweep = _sweep(provider, torch, q, k)
+    else:  # the defaults (DEFAULT_CONFIGS, picked by earlier sweeps)
+        best, staging_sweep = dict(fwd=None, grad=None, matmul=None), {}
     ours = _Ours(torch, **best)
     # CLIP's symmetric loss at the canonical size (with its own default score-gradient tiles)
     symmetric = _Ours(torch, **{**best, "grad": None}, symmetric=True)
-    rows = _rows_at(provider, torch, q, k, ours, symmetric, "")
+    skipped = {}
+    rows = _rows_at(provider, torch, q, k, ours, symmetric, "", skipped)
     del q, k
     torch.cuda.empty_cache()
     rows += _rows_at(provider, torch, *_inputs(provider, torch, small), ours, None, f"@{small}")
@@ -222,19 +250,19 @@ def run(provider, quick: bool = False) -> dict:
         row["fwd_TFLOPs"] = TFLOPs(flops["fwd"] * factor * (2 if sym else 1), row["fwd_ms"])
         row["fwdbwd_TFLOPs"] = TFLOPs((flops["fwdbwd"] + (flops["fwd"] if sym else 0)) * factor, row["fwdbwd_ms"])
     for row in rows:  # against torch's composition at the same batch
-        torch_row = next(r for r in rows if r["impl"].startswith("torch") and r["B"] == row["B"])
+        torch_row = next(r for r in rows if r["impl"].split("@")[0] == "torch" and r["B"] == row["B"])
         if not row["impl"].endswith("/symmetric"):
             row["speedup_vs_torch"] = torch_row["fwdbwd_ms"] / row["fwdbwd_ms"]
 
     sizes = (1024, 4096, 16384) if quick else (16384, 65536, 262144)
     rows[0]["peak_GiB_by_rows"] = {B: _peak_at(provider, torch, ours, B) for B in sizes}
     # torch's peak from its rows above where its [B, B] fp32 scores (and their gradient) fit
-    rows[0]["torch_peak_GiB_by_rows"] = {B: next((r["peak_GiB"] for r in rows if r["impl"].startswith("torch")
+    rows[0]["torch_peak_GiB_by_rows"] = {B: next((r["peak_GiB"] for r in rows if r["impl"].split("@")[0] == "torch"
                                                   and r["B"] == B), f"does not fit ({B * B * 4 / GiB:.0f} GiB "
                                                  "of fp32 scores)") for B in sizes}
     return {"shape": {"B": big, "D": D, "dtype": "float32 in, rounded to bf16 in the kernels", "scale": SCALE},
             "flops": flops, "config": {**{name: (_config_dict(v) if isinstance(v, TileConfig) else v)
                                           for name, v in best.items()}, "chunk": GRAD_CHUNK,
                                        "fwd_stage_rows": FWD_STAGE_ROWS},
-            "sweep": sweep, "rows": rows,
+            "sweep": staging_sweep, "rows": rows, "skipped": skipped,
             "target": {"fwdbwd_ms": 60.0, "peak_GiB": 1.0, "rel_err": 1e-3}}

@@ -2,12 +2,13 @@
 chunk 256, D (fp32), dt bf16 with dt_bias (fp32) and softplus, as Mamba-2 calls it. Our Triton
 kernels (``kernels/triton/ssd.py`` forward, ``kernels/triton/ssd_backward.py`` backward) against a
 torch composition of the same chunked algorithm (written below with torch ops: bf16 matmuls, fp32
-cumsum/exp/states) in the same process; plus seqlen 32768 at batch 1 (``seqlen_32768``).
+cumsum/exp/states; eager, and torch.compile) and mamba_ssm's Triton ``mamba_chunk_scan_combined`` in
+the same process; plus ours and the eager composition at seqlen 32768, batch 1 (``seqlen_32768``).
 
 ``rel_err``: y against the same composition in float64, on batch 0. ``fwd_TFLOPs``: the
 algorithm's matmul work (CB, chunk states, causal half of the intra-chunk product, inter-chunk
 product) over the forward time; ``fwd_TBps``: inputs read once and y written once over the forward
-time (the floor of any implementation). ``sweep`` (``run(..., sweep=True)``) times the forward under
+time (the floor of any implementation). ``sweep`` (``run.py --sweeps``) times the forward under
 other tile configs; ``autotuned`` records what the autotuner picked for stages 3, 3+4 and 5.
 """
 
@@ -16,12 +17,15 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from common import GiB, TBps, TFLOPs, bench_ms, peak_GiB
+import peers
+from common import GiB, TBps, TFLOPs, autograd_row, bench_ms, optional_row, peak_GiB
 
 from paddlenlp_fused.kernels.triton import ssd as K
 from paddlenlp_fused.testing.numerics import rel_err
 
 NHEADS, HEADDIM, DSTATE, NGROUPS, CHUNK = 64, 128, 128, 1, 256
+TORCH = "torch (chunked composition, bf16 matmuls)"
+MAMBA = "mamba_ssm Triton mamba_chunk_scan_combined"
 
 
 def torch_chunked(x, dt, A, B, C, D, dt_bias, chunk, mm_dtype):
@@ -70,7 +74,7 @@ def _flops(batch, seqlen):
     return cb + 2 * per_head + intra
 
 
-def _measure(provider, batch, seqlen, with_torch=True, sweep=False):
+def _measure(provider, batch, seqlen, with_torch=True, with_peers=False, sweep=False):
     import torch
 
     from paddlenlp_fused.kernels.triton import ssd_backward as KB
@@ -133,30 +137,37 @@ def _measure(provider, batch, seqlen, with_torch=True, sweep=False):
             "rel_err": rel_err(provider.to_numpy(out[:1]), ref)}
     rows = [ours]
     del y64
+    skipped = {}
     if with_torch:
         leaves = [t.detach().clone().requires_grad_(True) for t in (x, dt, A, B, C, D, dt_bias)]
 
-        def torch_fwd():
-            with torch.no_grad():
-                return torch_chunked(*leaves, CHUNK, torch.bfloat16)[0]
+        def check(y, grads):
+            return {"rel_err": rel_err(provider.to_numpy(y[:1]), ref)}
 
-        def torch_fwdbwd():
-            for t in leaves:
-                t.grad = None
-            torch_chunked(*leaves, CHUNK, torch.bfloat16)[0].backward(dout)
+        def composition(*args):
+            return torch_chunked(*args, CHUNK, torch.bfloat16)[0]
 
-        t_out = torch_fwd()
-        rows.append({"impl": "torch (chunked composition, bf16 matmuls)", "fwd_ms": bench_ms(torch_fwd),
-                     "fwdbwd_ms": bench_ms(torch_fwdbwd),
-                     "peak_GiB": peak_GiB(provider, torch_fwdbwd, exclude_bytes=grad_bytes),
-                     "rel_err": rel_err(provider.to_numpy(t_out[:1]), ref)})
-        del t_out
+        rows.append(autograd_row(provider, TORCH, lambda: composition(*leaves), leaves, dout, check, grad_bytes))
+        if with_peers:
+            compiled = torch.compile(composition)
+            optional_row(rows, skipped, "torch.compile", lambda: autograd_row(
+                provider, "torch.compile", lambda: compiled(*leaves), leaves, dout, check, grad_bytes))
+
+            def mamba():
+                fn = peers.load("mamba_ssm.ops.triton.ssd_combined").mamba_chunk_scan_combined
+                lx, ldt, lA, lB, lC, lD, lbias = leaves
+                return dict(autograd_row(provider, MAMBA, lambda: fn(lx, ldt, lA, lB, lC, CHUNK, D=lD, dt_bias=lbias,
+                                                                       dt_softplus=True),
+                                         leaves, dout, check, grad_bytes), peer=peers.describe("mamba_ssm"))
+
+            optional_row(rows, skipped, MAMBA, mamba)
+        del leaves
     io_bytes = (2 * numel["x"] + numel["dt"] + 2 * numel["B"]) * esize
     for row in rows:
         row["fwd_TFLOPs"] = TFLOPs(_flops(batch, seqlen), row["fwd_ms"])
         row["fwd_TBps"] = TBps(io_bytes, row["fwd_ms"])
         if with_torch:
-            row["speedup_vs_torch"] = {k: rows[1][k] / row[k] for k in ("fwd_ms", "fwdbwd_ms")}
+            row["speedup_vs_torch"] = {k: rows[1][k] / row[k] for k in ("fwd_ms", "fwdbwd_ms")}  # rows[1]: torch
     print(f"ssd batch={batch} seqlen={seqlen}:", rows, flush=True)
     configs = []
     if sweep:  # fixed tiles (SSDConfig) for stages 3+4 and 5, one field group changed at a time
@@ -186,19 +197,18 @@ def _measure(provider, batch, seqlen, with_torch=True, sweep=False):
                 ms = f"failed: {type(exc).__name__}: {str(exc)[:120]}"
             configs.append({"config": dict(cfg._asdict()), "fwd_ms": ms})
             print("sweep", dict(cfg._asdict()), ms, flush=True)
-    return rows, configs
+    return rows, configs, skipped
 
 
 def run(provider, quick: bool = False, sweep: bool = False) -> dict:
     batch, seqlen = (1, 1024) if quick else (4, 4096)
-    rows, configs = _measure(provider, batch, seqlen, sweep=sweep and not quick)
-    long_rows, _ = _measure(provider, 1, 8192 if quick else 32768, with_torch=not quick)
+    rows, configs, skipped = _measure(provider, batch, seqlen, with_peers=True, sweep=sweep and not quick)
+    long_rows, _, _ = _measure(provider, 1, 8192 if quick else 32768, with_torch=not quick)
     states_dtype = K.states_dtype("bfloat16", batch, NHEADS)
     return {"shape": {"batch": batch, "seqlen": seqlen, "nheads": NHEADS, "headdim": HEADDIM, "dstate": DSTATE,
                       "ngroups": NGROUPS, "chunk_size": CHUNK, "dtype": "bfloat16", "D": True, "dt_bias": True,
                       "dt_softplus": True},
-            "rows": rows, "target": {"fwd_ms": 0.70, "fwdbwd_ms": 3.2},
-            "peers": {"mamba_ssm triton mamba_chunk_scan_combined": {"fwd_ms": 0.854, "fwdbwd_ms": 3.993}},
+            "rows": rows, "skipped": skipped, "target": {"fwd_ms": 0.70, "fwdbwd_ms": 3.2},
             "seqlen_32768": {"shape": {"batch": 1, "seqlen": 8192 if quick else 32768}, "rows": long_rows},
             "sweep": configs, "autotuned": K.tuned_configs(),
             "states_dtype": states_dtype,
