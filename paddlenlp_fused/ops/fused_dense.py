@@ -72,7 +72,6 @@ from ._checks import check_tensor, contiguous, device_of
 
 ACTIVATIONS = ("gelu_approx", "gelu", "relu", "sqrelu", "swiglu", "geglu")
 _TRITON_EPILOGUE = frozenset({"gelu_approx", "gelu", "relu", "sqrelu"})
-_CUDA_FWD_EPILOGUE = frozenset({"gelu_approx"}) if tuning.FWD_GELU_EPILOGUE else frozenset()
 CHECKPOINT_LEVELS = (0, 1, 2)
 _recorders: List[List[int]] = []
 
@@ -174,7 +173,6 @@ class _TritonKernels:
 class _CudaKernels:
     name = "cuda"
     bwd_epilogue = frozenset()
-    dbias_in_act_pass = not tuning.BGRAD_EPILOGUE
     recompute_by_gemm = True  # cuBLASLt activates the unrounded accumulator: only GEMM1 repeats it
     _workspace_bytes: dict = {}
 
@@ -184,7 +182,10 @@ class _CudaKernels:
         self.k = cuda_kernels
         self.fixed_heuristic = heuristic
         self.dtype = dtype
-        self.fwd_epilogue = frozenset() if dtype == "float32" else _CUDA_FWD_EPILOGUE
+        gelu = tuning.FWD_GELU_EPILOGUE and dtype != "float32"
+        self.fwd_epilogue = frozenset({"gelu_approx"}) if gelu else frozenset()
+        self.bgrad_epilogue = tuning.BGRAD_EPILOGUE
+        self.dbias_in_act_pass = not self.bgrad_epilogue
 
     def heuristic(self, kind, M, N, K) -> int:
         if self.fixed_heuristic is not None:
@@ -222,7 +223,7 @@ class _CudaKernels:
 
     def wgrad(self, x, dy, with_dbias):
         dw = _empty([x.shape[1], dy.shape[1]], x)
-        in_epilogue = with_dbias and tuning.BGRAD_EPILOGUE
+        in_epilogue = with_dbias and self.bgrad_epilogue
         db = _empty([dy.shape[1]], dy) if with_dbias else None
         self.k.linear_wgrad(x, dy, dw, self.workspace(x), dbias=db if in_epilogue else None,
                             heuristic=self.heuristic("wgrad_bgrad" if in_epilogue else "wgrad", x.shape[1],
