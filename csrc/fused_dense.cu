@@ -194,7 +194,8 @@ uint32_t alignment(const void* ptr, int64_t ld, int itemsize) {
   return static_cast<uint32_t>(bits & (~bits + 1));
 }
 
-// Column-major D[m,n] = op(A)[m,k] @ op(B)[k,n] with an epilogue; C = D with beta = 0.
+// Column-major D[m,n] = alpha op(A)[m,k] @ op(B)[k,n] + beta D with an epilogue (C = D); D in the
+// inputs' dtype unless d_dtype names another (fp32 accumulation buffers).
 struct LtGemm {
   bool trans_a, trans_b;
   int64_t m, n, k;
@@ -208,6 +209,8 @@ struct LtGemm {
   const void* bias;  // bias (forward) or bias gradient (BGRAD epilogues)
   const void* aux;   // pre-activation / ReLU mask, written (forward) or read (backward)
   int64_t ld_aux;
+  float alpha = 1.0f, beta = 0.0f;
+  int d_dtype = -1;  // a PnfDtype, or -1: the inputs' dtype
 };
 
 const char* epilogue_name(uint32_t e) {
@@ -232,9 +235,11 @@ const char* epilogue_name(uint32_t e) {
 }
 
 int run_gemm(int dtype, const LtGemm& g, int heuristic, void* workspace, size_t workspace_bytes, void* stream) {
-  int32_t type;
-  int itemsize;
+  int32_t type, d_type;
+  int itemsize, d_itemsize;
   if (!cuda_type(dtype, &type, &itemsize)) return fail(PNF_ERR_UNSUPPORTED, "dtype code %d", dtype);
+  if (!cuda_type(g.d_dtype < 0 ? dtype : g.d_dtype, &d_type, &d_itemsize))
+    return fail(PNF_ERR_UNSUPPORTED, "output dtype code %d", g.d_dtype);
   if (g.m <= 0 || g.n <= 0 || g.k <= 0) return fail(PNF_ERR_INVALID_ARGUMENT, "empty GEMM %lldx%lldx%lld",
                                                     (long long)g.m, (long long)g.n, (long long)g.k);
   if (heuristic < 0) return fail(PNF_ERR_INVALID_ARGUMENT, "heuristic index %d < 0", heuristic);
@@ -253,8 +258,7 @@ int run_gemm(int dtype, const LtGemm& g, int heuristic, void* workspace, size_t 
   const int32_t op_a = g.trans_a ? OP_T : OP_N, op_b = g.trans_b ? OP_T : OP_N;
   const uint64_t max_ws = workspace_bytes;
   const uint32_t align_a = alignment(g.a, g.lda, itemsize), align_b = alignment(g.b, g.ldb, itemsize),
-                 align_d = alignment(g.d, g.ldd, itemsize);
-  const float alpha = 1.0f, beta = 0.0f;
+                 align_d = alignment(g.d, g.ldd, d_itemsize);
 #define LT_TRY(call, what)   \
   if ((s = (call)) != LT_SUCCESS) { \
     where = what;            \
@@ -271,7 +275,7 @@ int run_gemm(int dtype, const LtGemm& g, int heuristic, void* workspace, size_t 
   }
   LT_TRY(g_api.layout_create(&la, type, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda), "layout A");
   LT_TRY(g_api.layout_create(&lb, type, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb), "layout B");
-  LT_TRY(g_api.layout_create(&ld, type, g.m, g.n, g.ldd), "layout D");
+  LT_TRY(g_api.layout_create(&ld, d_type, g.m, g.n, g.ldd), "layout D");
   LT_TRY(g_api.pref_create(&pref), "PreferenceCreate");
   LT_TRY(g_api.pref_set(pref, PREF_MAX_WORKSPACE_BYTES, &max_ws, sizeof(max_ws)), "set MAX_WORKSPACE_BYTES");
   LT_TRY(g_api.pref_set(pref, PREF_MIN_ALIGNMENT_A, &align_a, sizeof(align_a)), "set MIN_ALIGNMENT_A");
@@ -286,7 +290,7 @@ int run_gemm(int dtype, const LtGemm& g, int heuristic, void* workspace, size_t 
   }
   // The list is ordered by expected speed and is shorter for small problems: an index past its end
   // takes the last entry, so one index works for every shape.
-  LT_TRY(g_api.matmul(handle, desc, &alpha, g.a, la, g.b, lb, &beta, g.d, ld, g.d, ld,
+  LT_TRY(g_api.matmul(handle, desc, &g.alpha, g.a, la, g.b, lb, &g.beta, g.d, ld, g.d, ld,
                       &results[heuristic < returned ? heuristic : returned - 1].algo, workspace, workspace_bytes,
                       static_cast<cudaStream_t>(stream)),
          "Matmul");
@@ -394,5 +398,25 @@ PNF_EXPORT int pnf_fused_dense_bwd_act(int dtype, int64_t M, int64_t H, int64_t 
                                              : (dbias ? EPI_DRELU_BGRAD : EPI_DRELU);
   // column-major dpre^T[H,M] = w[H,N] @ dout^T[N,M]; w row-major [H,N] is column-major N x H, so op T.
   LtGemm g{true, false, H, M, N, w, ldw, dout, lddout, dpre, lddpre, epilogue, dbias, aux, ld_aux};
+  return run_gemm(dtype, g, heuristic, workspace, workspace_bytes, stream);
+}
+
+// Row-major D[M,N] = alpha op(A) @ op(B) + beta D, fp32 accumulation: op(A) = A[M,K] (trans_a = 0)
+// or A[K,M]^T; op(B) = B[K,N] (trans_b = 0) or B[N,K]^T; row strides lda, ldb, ldd. A and B share
+// `dtype`; D is `d_dtype` (the same, or fp32 to accumulate 16-bit products in fp32). beta = 0 does
+// not read D. The linear cross-entropy's chunked GEMMs (logits, dW, dh) all go through here.
+PNF_EXPORT int pnf_gemm(int dtype, int d_dtype, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K,
+                        float alpha, const void* a, int64_t lda, const void* b, int64_t ldb, float beta, void* d,
+                        int64_t ldd, int heuristic, void* workspace, size_t workspace_bytes, void* stream) {
+  if (!a || !b || !d) return fail(PNF_ERR_INVALID_ARGUMENT, "null a, b or d");
+  if (d_dtype != dtype && d_dtype != PNF_FLOAT32)
+    return fail(PNF_ERR_UNSUPPORTED, "d_dtype %d: expected the inputs' dtype %d or float32", d_dtype, dtype);
+  if (!valid_ld(lda, trans_a ? M : K) || !valid_ld(ldb, trans_b ? K : N) || !valid_ld(ldd, N))
+    return fail(PNF_ERR_INVALID_ARGUMENT, "row stride below the row width");
+  // column-major D^T[N,M] = op(B)^T[N,K] @ op(A)^T[K,M]: B is cuBLASLt's A operand, A its B.
+  LtGemm g{trans_b != 0, trans_a != 0, N, M, K, b, ldb, a, lda, d, ldd, EPI_DEFAULT, nullptr, nullptr, 0};
+  g.alpha = alpha;
+  g.beta = beta;
+  g.d_dtype = d_dtype;
   return run_gemm(dtype, g, heuristic, workspace, workspace_bytes, stream);
 }

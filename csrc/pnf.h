@@ -8,7 +8,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#define PNF_ABI_VERSION 2
+#define PNF_ABI_VERSION 3
 
 enum PnfStatus {
   PNF_OK = 0,

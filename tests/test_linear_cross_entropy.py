@@ -4,6 +4,8 @@ option; all-ignored batches; labels out of range; the gradient filter; launchers
 outputs; the layer (own and tied weights); the cut-cross-entropy argument order; bad input; and the
 vocabulary-parallel loss (and sequence-parallel inputs) in 2 gloo processes equal to the dense one."""
 
+import ctypes
+
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -11,6 +13,7 @@ import pytest
 
 from paddlenlp_fused.kernels.triton import linear_cross_entropy as K
 from paddlenlp_fused.layers.linear_cross_entropy import LinearCrossEntropy
+from paddlenlp_fused.ops import linear_cross_entropy as lce_ops
 from paddlenlp_fused.ops.linear_cross_entropy import cce_linear_cross_entropy, linear_cross_entropy
 from paddlenlp_fused.reference import linear_cross_entropy as ref
 from paddlenlp_fused.runtime.triton_paddle import triton_args
@@ -18,6 +21,59 @@ from paddlenlp_fused.testing.distributed import init_fleet, run_distributed
 from paddlenlp_fused.testing.numerics import assert_close, rel_err
 
 BACKENDS = ("triton", "reference")
+
+
+# ----------------------------------------------------------------------------------------------
+# a host GEMM for the cuda paths' orchestration on the CPU (cuBLASLt runs only on the GPU suite)
+
+_NP = {"float32": (np.float32, 4), "float16": (np.float16, 2), "bfloat16": (np.uint16, 2)}
+
+
+def _host_matrix(t, offset, rows, cols, ld):
+    """A writable numpy view of rows x cols elements (row stride ld) at ``offset`` of a CPU tensor."""
+    dtype = str(t.dtype).rsplit(".", 1)[-1]
+    np_dtype, size = _NP[dtype]
+    count = (rows - 1) * ld + cols
+    buf = (ctypes.c_char * (count * size)).from_address(t.data_ptr() + offset * size)
+    flat = np.frombuffer(buf, dtype=np_dtype)
+    return np.lib.stride_tricks.as_strided(flat, (rows, cols), (ld * size, size)), dtype
+
+
+def _to64(x, dtype):
+    if dtype == "bfloat16":
+        return (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return x.astype(np.float64)
+
+
+def _store(view, values, dtype):
+    if dtype == "bfloat16":  # round to nearest even
+        bits = values.astype(np.float32).view(np.uint32)
+        view[...] = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    else:
+        view[...] = values.astype(view.dtype)
+
+
+def host_gemm(a, b, d, *, m, n, k, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, a_offset=0, b_offset=0,
+              d_offset=0, lda, ldb, ldd):
+    """kernels/cuda/gemm.gemm's contract in float64 on host memory: D = alpha op(A) op(B) + beta D."""
+    av, adt = _host_matrix(a, a_offset, *((k, m) if trans_a else (m, k)), lda)
+    bv, bdt = _host_matrix(b, b_offset, *((n, k) if trans_b else (k, n)), ldb)
+    dv, ddt = _host_matrix(d, d_offset, m, n, ldd)
+    a64, b64 = _to64(av, adt), _to64(bv, bdt)
+    out = alpha * ((a64.T if trans_a else a64) @ (b64.T if trans_b else b64))
+    if beta:
+        out = out + beta * _to64(dv, ddt)
+    _store(dv, out, ddt)
+
+
+def _cuda_stand_in(monkeypatch, backend):
+    """('cuda-lean' / 'cuda-bounded') -> the op's cuda paths with host_gemm in place of cuBLASLt; the
+    other backends unchanged. Returns (backend argument, extra keywords)."""
+    if not backend.startswith("cuda"):
+        return backend, {}
+    monkeypatch.setattr(lce_ops, "_choose_backend", lambda *args: "cuda")
+    monkeypatch.setattr(lce_ops, "_gemm_for", lambda like: (host_gemm, 0))
+    return "auto", ({"max_workspace_gib": 1e-5} if backend == "cuda-bounded" else {"vocab_chunk": 64})
 
 
 def _inputs(dtype, shape, D, V, transpose_y, bias=False, ignore_index=-100, rng=np.random, ignore_frac=0.2):
@@ -92,14 +148,19 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + ("cuda-lean", "cuda-bounded"))
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_matches_plain_composition(case, backend):
+def test_matches_plain_composition(case, backend, monkeypatch):
+    """Every path; the cuda paths' Python orchestration with a host GEMM (the GPU suite runs cuBLASLt).
+    The bounded path routes reduction='none' / return_lse to the lean path."""
     c = CASES[case]
     dtype, opts = c["dtype"], dict(c.get("opts", {}))
+    bounded = backend == "cuda-bounded" and opts.get("reduction") != "none" and not opts.get("return_lse")
+    backend, extra = _cuda_stand_in(monkeypatch, backend)
     hidden, weight, bias, labels = _inputs(dtype, c["shape"], c["D"], c["V"], c["transpose_y"], c.get("bias", False),
                                            c.get("ignore_index", -100))
-    out = linear_cross_entropy(hidden, weight, labels, bias, transpose_y=c["transpose_y"], backend=backend, **opts)
+    out = linear_cross_entropy(hidden, weight, labels, bias, transpose_y=c["transpose_y"], backend=backend,
+                               **{**opts, **extra})
     loss, lse = out if opts.get("return_lse") else (out, None)
     weights = [paddle.to_tensor(np.random.standard_normal(t.shape).astype(np.float32)) if t is not None and t.ndim
                else None for t in (loss, lse)]
@@ -116,7 +177,6 @@ def test_matches_plain_composition(case, backend):
                           [t for t in leaves if t is not None])
 
     assert loss.dtype == paddle.float32
-    assert_close("loss", loss.numpy(), loss64.numpy(), "float32")
     if lse is not None:
         assert lse.dtype == paddle.float32 and list(lse.shape) == list(labels.shape)
         assert_close("lse", lse.numpy(), lse64.numpy(), "float32")
@@ -128,6 +188,10 @@ def test_matches_plain_composition(case, backend):
         g16 = paddle.grad(_scalar(loss16, lse16 if lse is not None else None, weights),
                           [t for t in leaves32 if t is not None])
         baselines = [rel_err(g.astype(dtype).astype("float32").numpy(), g64.numpy()) for g, g64 in zip(g16, grads64)]
+    if bounded and dtype != "float32":  # its logits are rounded to the input dtype once, as loss16's are
+        assert_close("loss", loss.numpy(), loss64.numpy(), dtype, baseline_err=rel_err(loss16.numpy(), loss64.numpy()))
+    else:
+        assert_close("loss", loss.numpy(), loss64.numpy(), "float32")
     for name, g, g64, base in zip(("dhidden", "dweight", "dbias"), grads, grads64, baselines):
         assert g.dtype == params[0].dtype
         assert_close(name, g.astype("float32").numpy(), g64.numpy(), dtype, baseline_err=base)
@@ -145,18 +209,17 @@ def test_all_ignored_batch_gives_zero_loss_and_gradients(backend):
             assert np.all(np.isfinite(g32)) and not np.any(g32)
 
 
-def test_labels_out_of_range():
+@pytest.mark.parametrize("backend", BACKENDS + ("cuda-lean", "cuda-bounded"))
+def test_labels_out_of_range(backend, monkeypatch):
+    """The same ValueError on every backend (the kernels' flag, read once per call)."""
+    backend, extra = _cuda_stand_in(monkeypatch, backend)
     hidden, weight, _, labels = _inputs("float32", (6,), 16, 40, True, ignore_frac=0.0)
     bad = labels.clone()
-    bad[2] = 40
-    with pytest.raises(ValueError, match=r"labels: expected values in \[0, 40\) or ignore_index=-100, got 40"):
-        linear_cross_entropy(hidden, weight, bad, backend="reference")
-    bad[2] = -3
-    with pytest.raises(ValueError, match="got -3"):
-        linear_cross_entropy(hidden, weight, bad, backend="reference")
-    # the Triton path does not synchronise to look: the token's loss is NaN, never a silent number
-    per_token = linear_cross_entropy(hidden, weight, bad, reduction="none", backend="triton").numpy()
-    assert np.isnan(per_token[2]) and np.all(np.isfinite(np.delete(per_token, 2)))
+    for value in (40, -3):
+        bad[2] = value
+        with pytest.raises(ValueError, match=rf"labels: expected values in \[0, 40\) or ignore_index=-100, "
+                                             rf"got {value}$"):
+            linear_cross_entropy(hidden, weight, bad, backend=backend, **extra)
 
 
 def test_gradient_filter():
@@ -189,7 +252,9 @@ def test_launchers_write_every_element(transpose_y):
                   vocab_start=start, softcap=5.0, need_sum=True)
     stats_ref = ref.lse_stats_ref(hidden, weight, labels, bias, transpose_y=transpose_y, vocab_start=start, softcap=5.0)
     assert_close("stats", stats.numpy(), stats_ref.numpy(), "float32")
-    K.token_loss(*triton_args(stats, labels, loss), vocab_total=150, label_smoothing=0.1, z_loss=0.01)
+    flag = paddle.full([1], -100, dtype="int64")
+    K.token_loss(*triton_args(stats, labels, loss, flag), vocab_total=150, label_smoothing=0.1, z_loss=0.01)
+    assert int(flag) == -100
     loss_ref = ref.token_loss_ref(stats, labels, vocab_total=150, label_smoothing=0.1, z_loss=0.01)
     assert_close("loss", loss.numpy(), loss_ref.numpy(), "float32")
 

@@ -2,8 +2,9 @@
 
 Replaces PaddleNLP's ``LMHead`` + ``PretrainingCriterion`` (loss of ``hidden @ W``), vocabulary
 parallel over fleet's model-parallel group. The weight is the layer's own ``[D, V]`` parameter
-(``transpose_y=False``, PaddleNLP LLaMA's layout) or ``[V, D]`` (``transpose_y=True``), or an existing
-parameter passed as ``weight=`` (a tied ``[V, D]`` embedding with ``transpose_y=True``). The functional
+(``transpose_y=False``, the default: PaddleNLP LLaMA's layout) or ``[V, D]`` (``transpose_y=True``), or
+an existing parameter passed as ``weight=`` (a tied ``[V, D]`` embedding), whose layout is read off its
+shape unless ``transpose_y`` is given (and must be given when the weight is square). The functional
 path is ``paddlenlp_fused.ops.linear_cross_entropy.linear_cross_entropy``.
 """
 
@@ -36,14 +37,14 @@ class LinearCrossEntropy(nn.Layer):
     group; False: the weight is replicated and each rank computes the dense loss.
     ``sequence_parallel``: hidden and labels are this rank's sequence chunk (gathered inside).
     The loss options (``ignore_index``, ``reduction``, ``label_smoothing``, ``z_loss``, ``softcap``,
-    ``shift``, ``filter_eps``, ``backend``) are those of ``linear_cross_entropy``.
+    ``shift``, ``max_workspace_gib``, ``filter_eps``, ``backend``) are those of ``linear_cross_entropy``.
     """
 
-    def __init__(self, hidden_size: int, vocab_size: int, transpose_y: bool = False, tensor_parallel_output=None,
+    def __init__(self, hidden_size: int, vocab_size: int, transpose_y=None, tensor_parallel_output=None,
                  ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                  z_loss: float = 0.0, softcap=None, shift=False, has_bias: bool = False,
                  sequence_parallel: bool = False, weight=None, weight_attr=None, bias_attr=None,
-                 filter_eps=None, backend: str = "auto"):
+                 filter_eps=None, backend: str = "auto", max_workspace_gib=None):
         super().__init__()
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
@@ -56,9 +57,10 @@ class LinearCrossEntropy(nn.Layer):
             raise ValueError(f"vocab_size: {vocab_size} does not split over {world} model-parallel ranks")
         local_vocab = vocab_size // world
         self.hidden_size, self.vocab_size, self.local_vocab = hidden_size, vocab_size, local_vocab
-        self.transpose_y = bool(transpose_y)
+        self.transpose_y = self._layout(transpose_y, weight, hidden_size)
         self.options = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-                            z_loss=z_loss, softcap=softcap, shift=shift, filter_eps=filter_eps, backend=backend)
+                            z_loss=z_loss, softcap=softcap, shift=shift, filter_eps=filter_eps, backend=backend,
+                            max_workspace_gib=max_workspace_gib)
         self.sequence_parallel = bool(sequence_parallel)
         shape = [local_vocab, hidden_size] if self.transpose_y else [hidden_size, local_vocab]
         vocab_axis = 0 if self.transpose_y else 1
@@ -75,6 +77,21 @@ class LinearCrossEntropy(nn.Layer):
         if has_bias:
             self.bias = self.create_parameter([local_vocab], attr=bias_attr, dtype=self.weight.dtype, is_bias=True)
             self._mark_distributed(self.bias, world, 0)
+
+    @staticmethod
+    def _layout(transpose_y, weight, hidden_size: int) -> bool:
+        """transpose_y as given; else False for an own weight, or read off a passed weight's shape."""
+        if transpose_y is not None:
+            if not isinstance(transpose_y, bool):
+                raise TypeError(f"transpose_y: expected None or a bool, got {transpose_y!r}")
+            return transpose_y
+        if weight is None:
+            return False
+        rows, cols = weight.shape
+        if rows == cols:
+            raise ValueError(f"transpose_y: required for a square weight {list(weight.shape)} (True: [V, D], "
+                             "False: [D, V])")
+        return cols == hidden_size
 
     @staticmethod
     def _mark_distributed(param, world: int, axis: int) -> None:

@@ -2,17 +2,33 @@
 
 ``linear_cross_entropy(hidden, weight, labels, ...)`` equals the plain composition
 ``F.cross_entropy(matmul(hidden, weight, transpose_y).astype("float32"), labels)`` (plus the options
-below) in loss and gradients, holding no logits: the forward keeps per-token log-sum-exp statistics
-only; the backward recomputes logits chunk by chunk. Vocabulary parallel with ``tp_group``.
+below) in loss and gradients. Vocabulary parallel with ``tp_group``.
 
-Backends: ``triton`` (kernels in ``kernels/triton/linear_cross_entropy.py``; on CPU tensors under
-``TRITON_INTERPRET=1``) and ``reference`` (pure Paddle, float32, blockwise over tokens). A label
-outside ``[0, V)`` (and not ``ignore_index``) raises ``ValueError`` on the reference path; the Triton
-path does not synchronise with the host to look, and gives that token a NaN loss instead.
+Backends and paths:
+
+- ``cuda`` (the GPU default when the CUDA library and cuBLASLt load): cuBLASLt GEMMs on chunks, the
+  softmax work in Triton (``kernels/triton/linear_cross_entropy.py``, chunked section), two paths:
+  *lean* (default): token blocks x vocabulary chunks, fp32 logits chunks, the logits recomputed in
+  the backward (4 GEMMs), about 0.1 GiB of workspace whatever T and V are;
+  *bounded* (``max_workspace_gib`` given): token blocks whose ``[Tb, V]`` logits fit the bound, the
+  gradients computed in the forward pass (3 GEMMs); the loss comes from logits rounded once to the
+  input dtype (as in the plain composition in that dtype). It needs the gradient of a scalar loss:
+  ``reduction="none"``, ``return_lse=True``, calls under ``no_grad`` and calls where no input needs a
+  gradient take the lean path instead (a warning says so once).
+- ``triton``: every GEMM in Triton (forward 1 GEMM, backward 3), the fallback where the CUDA library
+  is absent, and the only path with the (approximate, opt-in) gradient filter ``filter_eps``: a call
+  with a filter on the ``cuda`` backend runs here.
+- ``reference``: pure Paddle, float32, blockwise over tokens (CPU fallback).
+
+A label outside ``[0, V)`` (and not ``ignore_index``) raises the same ``ValueError`` on every backend:
+the reference checks before computing; the kernels store any such label in a flag the op reads once
+per call.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import NamedTuple, Optional
 
 import paddle
@@ -27,6 +43,7 @@ from ..runtime.triton_paddle import triton_args
 from ._checks import check_tensor, contiguous, device_of
 
 REDUCTIONS = ("mean", "sum", "none")
+_warned: set = set()
 
 
 class _Options(NamedTuple):
@@ -37,50 +54,122 @@ class _Options(NamedTuple):
     z_loss: float
     softcap: Optional[float]
     filter_eps: Optional[float]
+    filter_dh: bool
+    filter_dw: bool
+    accum_dw_fp32: bool
     vocab_chunk: Optional[int]
+    max_workspace_bytes: Optional[int]
     pg: object  # comm.ParallelGroup or None
     shard: vocab_parallel.VocabShard
 
 
+def _empty(shape, dtype, like):
+    return paddle.empty(list(shape), dtype=dtype, device=like.place)
+
+
+def _gemm_for(like):
+    """cuBLASLt GEMM with a fresh workspace from Paddle's caching allocator (nothing stays allocated
+    between calls)."""
+    from ..kernels.cuda import fused_dense
+    from ..kernels.cuda import gemm as cuda_gemm
+
+    workspace = _empty([fused_dense.workspace_bytes(like.place.gpu_device_id())], "uint8", like)
+    return functools.partial(cuda_gemm.gemm, workspace=workspace), int(workspace.shape[0])
+
+
+def _raise_bad_label(flag, o: _Options) -> None:
+    """The kernels' label flag, read once per call (ignore_index: every label was in range)."""
+    bad = int(flag.numpy()[0])
+    if bad != o.ignore_index:
+        raise ValueError(f"labels: expected values in [0, {o.shard.total}) or ignore_index={o.ignore_index}, "
+                         f"got {bad}")
+
+
+def _vocab(weight, o: _Options) -> int:
+    return weight.shape[0] if o.transpose_y else weight.shape[1]
+
+
 # ----------------------------------------------------------------------------------------------
-# the two engines: same three stages (stats, token loss, gradients)
+# the engines of the recompute design: stats (forward), token loss, gradients (backward)
 
 
 def _triton_stats(hidden, weight, labels, bias, o: _Options):
     n_tok = hidden.shape[0]
-    V = weight.shape[0] if o.transpose_y else weight.shape[1]
-    n_split = kernels.forward_splits(n_tok, V, dtype=T.dtype_name(hidden))
-    partials = paddle.empty([4, n_split, n_tok], dtype="float32", device=hidden.place)
-    stats = paddle.empty([3, n_tok], dtype="float32", device=hidden.place)
+    n_split = kernels.forward_splits(n_tok, _vocab(weight, o), dtype=T.dtype_name(hidden))
+    partials = _empty([4, n_split, n_tok], "float32", hidden)
+    stats = _empty([3, n_tok], "float32", hidden)
     kernels.lse_forward(*triton_args(hidden, weight, labels, bias, partials, stats), transpose_y=o.transpose_y,
                         vocab_start=o.shard.start, softcap=o.softcap, need_sum=o.label_smoothing > 0)
     return stats
 
 
-def _triton_token_loss(stats, labels, o: _Options):
-    loss = paddle.empty([labels.shape[0]], dtype="float32", device=labels.place)
-    kernels.token_loss(*triton_args(stats, labels, loss), vocab_total=o.shard.total, ignore_index=o.ignore_index,
-                       label_smoothing=o.label_smoothing, z_loss=o.z_loss)
+def _cuda_stats(hidden, weight, labels, bias, o: _Options):
+    n_tok = hidden.shape[0]
+    plan = kernels.lean_plan(n_tok, _vocab(weight, o), vocab=o.vocab_chunk)
+    gemm, _ = _gemm_for(hidden)
+    logits = _empty(*kernels.lean_workspace(plan, hidden.shape[1], T.dtype_name(hidden))["logits"], hidden)
+    state, stats = _empty([4, n_tok], "float32", hidden), _empty([3, n_tok], "float32", hidden)
+    kernels.lean_forward(gemm, *triton_args(hidden, weight, labels, bias, logits, state, stats), plan=plan,
+                         transpose_y=o.transpose_y, vocab_start=o.shard.start, softcap=o.softcap,
+                         need_sum=o.label_smoothing > 0)
+    return stats
+
+
+def _kernel_token_loss(stats, labels, o: _Options):
+    loss = _empty([labels.shape[0]], "float32", labels)
+    flag = paddle.full([1], o.ignore_index, dtype="int64", device=labels.place)
+    kernels.token_loss(*triton_args(stats, labels, loss, flag), vocab_total=o.shard.total,
+                       ignore_index=o.ignore_index, label_smoothing=o.label_smoothing, z_loss=o.z_loss)
+    _raise_bad_label(flag, o)
     return loss
+
+
+def _dw_buffer(weight, o: _Options, need_dw: bool):
+    if not need_dw:
+        return None
+    dtype = "float32" if o.accum_dw_fp32 else weight.dtype
+    return _empty(weight.shape, dtype, weight)
 
 
 def _triton_grads(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, o: _Options, need):
     n_tok, D = hidden.shape
-    V = weight.shape[0] if o.transpose_y else weight.shape[1]
     dtype = T.dtype_name(hidden)
-    ws = kernels.backward_workspace(n_tok, D, V, dtype, chunk=o.vocab_chunk)
-    place = hidden.place
-    g = paddle.empty(list(ws.g), dtype=hidden.dtype, device=place)
-    lo = paddle.empty(list(ws.lo), dtype=hidden.dtype, device=place) if ws.lo else None
-    flags = paddle.empty(list(ws.flags), dtype="int8", device=place)
-    dbias_acc = paddle.zeros(list(ws.dbias), dtype="float32", device=place) if bias is not None else None
-    dh = paddle.empty([n_tok, D], dtype=hidden.dtype, device=place)
-    dw = paddle.empty(list(weight.shape), dtype=weight.dtype, device=place)
-    db = paddle.empty(list(bias.shape), dtype=bias.dtype, device=place) if bias is not None else None
+    ws = kernels.backward_workspace(n_tok, D, _vocab(weight, o), dtype, chunk=o.vocab_chunk)
+    g = _empty(ws.g, hidden.dtype, hidden)
+    lo = _empty(ws.lo, hidden.dtype, hidden) if ws.lo else None
+    flags = _empty(ws.flags, "int8", hidden)
+    dbias_acc = paddle.zeros(list(ws.dbias), dtype="float32", device=hidden.place) if bias is not None else None
+    dh = _empty([n_tok, D], hidden.dtype, hidden)
+    dw = _empty(weight.shape, weight.dtype, weight)
+    db = _empty(bias.shape, bias.dtype, bias) if bias is not None else None
     kernels.lce_backward(*triton_args(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, dh, dw, db, g, lo,
                                       flags, dbias_acc),
                          transpose_y=o.transpose_y, vocab_start=o.shard.start, vocab_total=o.shard.total,
-                         softcap=o.softcap, label_smoothing=o.label_smoothing, filter_eps=o.filter_eps)
+                         softcap=o.softcap, label_smoothing=o.label_smoothing, filter_eps=o.filter_eps,
+                         filter_dh=o.filter_dh, filter_dw=o.filter_dw)
+    return dh, dw, db
+
+
+def _cuda_grads(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, o: _Options, need):
+    n_tok, D = hidden.shape
+    dtype = T.dtype_name(hidden)
+    plan = kernels.lean_plan(n_tok, _vocab(weight, o), vocab=o.vocab_chunk)
+    ws = kernels.lean_workspace(plan, D, dtype)
+    gemm, _ = _gemm_for(hidden)
+    logits = _empty(*ws["logits"], hidden)
+    g = _empty(*ws["g"], hidden) if "g" in ws else None
+    dh_acc = _empty(*ws["dh_acc"], hidden) if "dh_acc" in ws and need[0] else None
+    dh = _empty([n_tok, D], hidden.dtype, hidden) if need[0] else None
+    dw = _dw_buffer(weight, o, need[1])
+    need_db = bias is not None and need[2]
+    db = _empty(bias.shape, bias.dtype, bias) if need_db else None
+    dbias_acc = paddle.zeros([bias.shape[0]], dtype="float32", device=bias.place) if need_db else None
+    kernels.lean_backward(gemm, *triton_args(hidden, weight, labels, bias, lse, coef_p, coef_y), float(scale),
+                          *triton_args(dh, dw, db, logits, g, dh_acc, dbias_acc), plan=plan,
+                          transpose_y=o.transpose_y, vocab_start=o.shard.start, vocab_total=o.shard.total,
+                          softcap=o.softcap, label_smoothing=o.label_smoothing)
+    if dw is not None and dw.dtype != weight.dtype:
+        dw = dw.astype(weight.dtype)
     return dh, dw, db
 
 
@@ -102,14 +191,26 @@ def _reference_grads(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, o
 
 
 _ENGINES = {
-    "triton": (_triton_stats, _triton_token_loss, _triton_grads),
+    "cuda": (_cuda_stats, _kernel_token_loss, _cuda_grads),
+    "triton": (_triton_stats, _kernel_token_loss, _triton_grads),
     "reference": (_reference_stats, _reference_token_loss, _reference_grads),
 }
 
 
+def _needs(hidden, weight, bias):
+    return (not hidden.stop_gradient, not weight.stop_gradient, bias is not None and not bias.stop_gradient)
+
+
+def _grads_out(grads, need, has_bias):
+    out = [grads[0] if need[0] else None, grads[1] if need[1] else None]
+    if has_bias:
+        out.append(grads[2] if need[2] else None)
+    return tuple(out + [None])  # labels
+
+
 class LinearCrossEntropyFunction(PyLayer):
     """(hidden2d ``[T, D]``, weight, bias, labels ``[T]``) -> (per-token fp32 loss ``[T]``, fp32 lse ``[T]``);
-    both outputs are differentiable (d lse / d logit = softmax)."""
+    both outputs are differentiable (d lse / d logit = softmax). The lean / triton / reference paths."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, o: _Options):
@@ -119,7 +220,7 @@ class LinearCrossEntropyFunction(PyLayer):
         lse = stats[0].clone()
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.opts = o
-        ctx.need = (not hidden.stop_gradient, not weight.stop_gradient, bias is not None and not bias.stop_gradient)
+        ctx.need = _needs(hidden, weight, bias)
         ctx.has_bias = bias is not None
         return loss, lse
 
@@ -134,21 +235,83 @@ class LinearCrossEntropyFunction(PyLayer):
             coef_p = coef_p + dlse.astype("float32")
         if lse.shape[0]:
             # G is stored in the input dtype: normalise the per-token coefficients to at most 1
-            # (fp16 would flush 1/T-sized ones) and multiply the scale back in the GEMM epilogues.
+            # (fp16 would flush 1/T-sized ones) and multiply the scale back in the GEMMs.
             scale = paddle.maximum(paddle.maximum(coef_p.abs().max(), dl.abs().max()),
                                    paddle.to_tensor(1e-30, dtype="float32", place=lse.place)).reshape([1])
         else:
             scale = paddle.ones([1], dtype="float32")
-        dh, dw, db = _ENGINES[o.backend][2](hidden, weight, labels, bias, lse, coef_p / scale, dl / scale,
-                                             scale, o, ctx.need)
-        grads = [dh if ctx.need[0] else None, dw if ctx.need[1] else None]
-        if ctx.has_bias:
-            grads.append(db if ctx.need[2] else None)
-        return tuple(grads + [None])  # labels
+        grads = _ENGINES[o.backend][2](hidden, weight, labels, bias, lse, coef_p / scale, dl / scale, scale, o,
+                                       ctx.need)
+        return _grads_out(grads, ctx.need, ctx.has_bias)
+
+
+class BoundedLinearCrossEntropyFunction(PyLayer):
+    """(hidden2d, weight, bias, labels, reduction) -> the reduced fp32 loss, with the gradients computed
+    in the forward pass (cuBLASLt, token blocks within ``o.max_workspace_bytes``); the backward
+    multiplies them by the incoming scalar gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, o: _Options, reduction: str):
+        n_tok, D = hidden.shape
+        V = _vocab(weight, o)
+        dtype = T.dtype_name(hidden)
+        need = _needs(hidden, weight, bias)
+        gemm, ws_bytes = _gemm_for(hidden)
+        n_valid = int((labels != o.ignore_index).astype("int64").sum())  # one host read
+        alpha = 1.0 / max(n_valid, 1) if reduction == "mean" else 1.0
+        plan = kernels.bounded_plan(n_tok, V, dtype, o.max_workspace_bytes - ws_bytes - 32 * max(n_tok, 1))
+        logits = _empty([plan.tokens, plan.ld], hidden.dtype, hidden)
+        stats = _empty([3, plan.tokens], "float32", hidden)
+        loss = _empty([n_tok], "float32", hidden)
+        flag = paddle.full([1], o.ignore_index, dtype="int64", device=hidden.place)
+        dh = _empty([n_tok, D], hidden.dtype, hidden) if need[0] else None
+        dw = _dw_buffer(weight, o, need[1])
+        dbias_acc = paddle.zeros([V], dtype="float32", device=hidden.place) if bias is not None else None
+        combine = None
+        if o.pg is not None:
+            combine = lambda _: triton_args(vocab_parallel.combine_stats(stats, o.pg))[0]  # noqa: E731
+        kernels.bounded_forward(gemm, *triton_args(hidden, weight, labels, bias, logits, stats, loss, flag, dh, dw,
+                                                   dbias_acc),
+                                plan=plan, alpha=alpha, combine=combine, transpose_y=o.transpose_y,
+                                vocab_start=o.shard.start, vocab_total=o.shard.total, ignore_index=o.ignore_index,
+                                softcap=o.softcap, label_smoothing=o.label_smoothing, z_loss=o.z_loss)
+        _raise_bad_label(flag, o)
+        del logits
+        if dw is not None and dw.dtype != weight.dtype:
+            dw = dw.astype(weight.dtype)
+        db = (dbias_acc * alpha).astype(bias.dtype) if bias is not None and need[2] else None
+        ctx.grads = [dh, dw, db]
+        ctx.need, ctx.has_bias = need, bias is not None
+        return loss.sum() * alpha
+
+    @staticmethod
+    def backward(ctx, dloss):
+        grads, ctx.grads = ctx.grads, None  # the op holds them no longer: each is returned once, fresh
+        factor = float(dloss.astype("float32").reshape([-1])[0])  # one host read
+        if factor != 1.0:
+            grads = [g.scale_(factor) if g is not None else None for g in grads]
+        return _grads_out(grads, ctx.need, ctx.has_bias)
 
 
 # ----------------------------------------------------------------------------------------------
 # argument checks and the public functions
+
+
+def _layout(weight, D, transpose_y):
+    """transpose_y as given, or read off a non-square weight's shape ([V, D]: True, [D, V]: False)."""
+    if transpose_y is not None:
+        if not isinstance(transpose_y, bool):
+            raise TypeError(f"transpose_y: expected None or a bool, got {transpose_y!r}")
+        return transpose_y
+    rows, cols = weight.shape
+    if rows == cols:
+        raise ValueError(f"transpose_y: required for a square weight {list(weight.shape)} (True: [V, D], "
+                         "False: [D, V]); a square weight can be read either way")
+    if cols == D:
+        return True
+    if rows == D:
+        return False
+    raise ValueError(f"weight: expected [V, D] or [D, V] with D={D}, got shape {list(weight.shape)}")
 
 
 def _check_args(hidden, weight, labels, bias, reduction, label_smoothing, z_loss, softcap, shift, transpose_y):
@@ -159,6 +322,7 @@ def _check_args(hidden, weight, labels, bias, reduction, label_smoothing, z_loss
     if weight.dtype != hidden.dtype:
         raise TypeError(f"weight: expected dtype {T.dtype_name(hidden)} (as hidden), got {T.dtype_name(weight)}")
     D = hidden.shape[-1]
+    transpose_y = _layout(weight, D, transpose_y)
     wd = weight.shape[1] if transpose_y else weight.shape[0]
     if wd != D:
         layout = "[V, D] (transpose_y=True)" if transpose_y else "[D, V] (transpose_y=False)"
@@ -190,17 +354,32 @@ def _check_args(hidden, weight, labels, bias, reduction, label_smoothing, z_loss
             raise ValueError(f"shift: expected 0 <= shift < sequence length {hidden.shape[-2]}, got {shift}")
     else:
         raise TypeError(f"shift: expected a bool or an int, got {shift!r}")
-    return V, steps
+    return V, steps, transpose_y
 
 
-def _filter_eps(filter_eps):
+def _filter_eps(filter_eps, dtype: str):
     if filter_eps is None:
         return None
     if filter_eps == "auto":
-        return kernels.AUTO_FILTER_EPS
+        return kernels.AUTO_FILTER_EPS[dtype]
     if isinstance(filter_eps, str) or not float(filter_eps) > 0.0:
         raise ValueError(f"filter_eps: expected None (exact), 'auto' or a float > 0, got {filter_eps!r}")
     return float(filter_eps)
+
+
+def _workspace_bytes(max_workspace_gib):
+    if max_workspace_gib is None:
+        return None
+    if isinstance(max_workspace_gib, bool) or not isinstance(max_workspace_gib, (int, float)) \
+            or not max_workspace_gib > 0:
+        raise ValueError(f"max_workspace_gib: expected None or a number > 0, got {max_workspace_gib!r}")
+    return int(float(max_workspace_gib) * 2**30)
+
+
+def _check_flag(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {value!r}")
+    return value
 
 
 def _shifted(labels, steps: int, ignore_index: int):
@@ -211,30 +390,69 @@ def _shifted(labels, steps: int, ignore_index: int):
     return paddle.concat([labels[..., steps:], pad], axis=-1)
 
 
+def _cuda_unsupported(filter_eps):
+    def why(name):
+        if name != "cuda":
+            return None
+        if filter_eps is not None:
+            return "the gradient filter (filter_eps) runs in the Triton kernels"
+        from ..kernels.cuda import gemm as cuda_gemm
+
+        ok, reason = cuda_gemm.available()
+        return None if ok else reason
+    return why
+
+
+def _choose_backend(backend, hidden, filter_eps):
+    return resolve_backend("linear_cross_entropy", backend, device_of(hidden),
+                           implemented=("cuda", "triton", "reference"), unsupported=_cuda_unsupported(filter_eps))
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, reduction="mean",
-                         label_smoothing=0.0, z_loss=0.0, softcap=None, shift=False, transpose_y=True,
+                         label_smoothing=0.0, z_loss=0.0, softcap=None, shift=False, transpose_y=None,
                          return_lse=False, tp_group=None, backend="auto", *, sequence_parallel=False,
-                         filter_eps=None, vocab_chunk=None):
+                         max_workspace_gib=None, filter_eps=None, filter_e_grad=True, filter_c_grad=True,
+                         accum_c_fp32=False, vocab_chunk=None):
     """Cross-entropy of ``logits = hidden @ weight^T (+ bias)`` without holding the logits.
 
     hidden ``[..., D]`` (float32/float16/bfloat16); weight ``[V, D]`` with ``transpose_y=True`` (tied
-    embedding, GPT) or ``[D, V]`` with ``transpose_y=False`` (PaddleNLP LLaMA LM head); labels ``[...]``
-    int. ``shift`` (True or n) predicts token t+n from position t (the last n positions drop out).
-    ``reduction``: mean over non-ignored tokens (0 when all are ignored), sum, or none (per token,
-    float32). ``label_smoothing`` eps mixes eps/V uniform targets in; ``z_loss`` adds ``z * lse^2``;
-    ``softcap`` c applies ``c * tanh(logit / c)``. ``return_lse``: also the float32 log-sum-exp per
-    token (differentiable). ``tp_group`` (a group, ``"fleet"`` for fleet's model-parallel group, or
-    None): vocabulary parallel, each rank holding ``V/n`` rows; ``sequence_parallel``: hidden and labels
-    are this rank's sequence chunk and are all-gathered. ``filter_eps`` (None = exact, ``"auto"`` =
-    2^-12, or a float): the Triton backward skips gradient tiles whose entries are all below it.
-    ``vocab_chunk``: vocabulary rows per backward chunk (default: about 32 MiB of scratch).
+    embedding, GPT) or ``[D, V]`` with ``transpose_y=False`` (PaddleNLP LLaMA LM head); ``None`` (the
+    default) reads the layout off the weight's shape and requires the argument when the weight is
+    square. labels ``[...]`` int. ``shift`` (True or n) predicts token t+n from position t (the last n
+    positions drop out). ``reduction``: mean over non-ignored tokens (0 when all are ignored), sum, or
+    none (per token, float32). ``label_smoothing`` eps mixes eps/V uniform targets in; ``z_loss`` adds
+    ``z * lse^2``; ``softcap`` c applies ``c * tanh(logit / c)``. ``return_lse``: also the float32
+    log-sum-exp per token (differentiable). ``tp_group`` (a group, ``"fleet"`` for fleet's
+    model-parallel group, or None): vocabulary parallel, each rank holding ``V/n`` rows;
+    ``sequence_parallel``: hidden and labels are this rank's sequence chunk and are all-gathered.
+
+    ``max_workspace_gib``: None (default) takes the lean path on the ``cuda`` backend (about 0.1 GiB of
+    workspace); a bound takes the bounded path (gradients in the forward pass, logits blocks within the
+    bound, faster), where the call allows it (module docstring). ``filter_eps`` (None = exact, ``"auto"``
+    = the input dtype's epsilon / 32, or a float): approximate; the Triton backward skips gradient tiles
+    whose entries are all below it, in the hidden's (``filter_e_grad``) and the weight's
+    (``filter_c_grad``) gradient GEMMs; a call with a filter runs on the ``triton`` backend.
+    ``accum_c_fp32``: the cuda paths accumulate dW over token blocks in an fp32 buffer of the weight's
+    size (else in the weight's dtype). ``vocab_chunk``: vocabulary rows per chunk (triton backward,
+    cuda lean path).
     """
-    V, steps = _check_args(hidden, weight, labels, bias, reduction, label_smoothing, z_loss, softcap, shift,
-                           transpose_y)
+    V, steps, transpose_y = _check_args(hidden, weight, labels, bias, reduction, label_smoothing, z_loss, softcap,
+                                        shift, transpose_y)
+    workspace_bytes = _workspace_bytes(max_workspace_gib)
+    filter_e_grad, filter_c_grad = _check_flag("filter_e_grad", filter_e_grad), _check_flag("filter_c_grad",
+                                                                                            filter_c_grad)
+    accum_c_fp32 = _check_flag("accum_c_fp32", accum_c_fp32)
     pg = vocab_parallel.resolve_group(tp_group)
     if sequence_parallel and steps and pg is not None:
         raise ValueError("shift: not supported with sequence_parallel (shift the labels before scattering them)")
-    chosen = resolve_backend("linear_cross_entropy", backend, device_of(hidden), implemented=("triton", "reference"))
+    eps = _filter_eps(filter_eps, T.dtype_name(hidden))
+    chosen = _choose_backend(backend, hidden, eps)
     D = hidden.shape[-1]
     labels_eff = _shifted(labels, steps, ignore_index)
     hidden2d = contiguous(hidden).reshape([-1, D])
@@ -243,8 +461,17 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
     shard = vocab_parallel.shard(pg, V)
     if chosen == "reference":
         ref.check_labels(labels1d, shard.total, ignore_index)
-    opts = _Options(chosen, bool(transpose_y), int(ignore_index), float(label_smoothing), float(z_loss),
-                    None if softcap is None else float(softcap), _filter_eps(filter_eps), vocab_chunk, pg, shard)
+    if chosen == "cuda":
+        weight = contiguous(weight)
+    opts = _Options(chosen, transpose_y, int(ignore_index), float(label_smoothing), float(z_loss),
+                    None if softcap is None else float(softcap), eps, filter_e_grad, filter_c_grad, accum_c_fp32,
+                    vocab_chunk, workspace_bytes, pg, shard)
+    if chosen == "cuda" and workspace_bytes is not None:
+        wants_grad = paddle.is_grad_enabled() and any(_needs(hidden2d, weight, bias))
+        if reduction != "none" and not return_lse and wants_grad:
+            return BoundedLinearCrossEntropyFunction.apply(hidden2d, weight, bias, labels1d, opts, reduction)
+        _warn_once("paddlenlp_fused.linear_cross_entropy: max_workspace_gib is ignored (lean path) for "
+                   "reduction='none', return_lse=True or a call without gradients")
     loss_tok, lse = LinearCrossEntropyFunction.apply(hidden2d, weight, bias, labels1d, opts)
     if reduction == "mean":
         n_valid = (labels1d != ignore_index).astype("float32").sum()
@@ -268,10 +495,18 @@ def _per_token(values, labels_shaped, steps: int, gathered: bool):
 
 
 def cce_linear_cross_entropy(e, c, targets, bias=None, ignore_index=-100, softcap=None, reduction="mean",
-                             shift=False, filter_eps=None, **kwargs):
-    """``linear_cross_entropy`` in the argument order of Apple's ``cut_cross_entropy.linear_cross_entropy``:
-    embeddings ``e [..., D]``, classifier ``c [V, D]``, ``targets [...]``. Differences from that package:
-    ``filter_eps`` defaults to None (exact) rather than 'auto'. Further keywords (``label_smoothing``,
-    ``z_loss``, ``return_lse``, ``tp_group``, ``backend``, ...) pass through."""
+                             shift=False, filter_eps=None, accum_e_fp32=False, accum_c_fp32=False,
+                             filter_e_grad=True, filter_c_grad=True, **kwargs):
+    """``linear_cross_entropy`` in the signature of Apple's ``cut_cross_entropy.linear_cross_entropy``:
+    embeddings ``e [..., D]``, classifier ``c [V, D]``, ``targets [...]``, then ``bias, ignore_index,
+    softcap, reduction, shift, filter_eps, accum_e_fp32, accum_c_fp32, filter_e_grad, filter_c_grad``.
+    Differences from that package: ``filter_eps`` defaults to None (exact) rather than 'auto' ('auto'
+    is the same rule: the input dtype's epsilon / 32); ``accum_e_fp32`` changes nothing (the hidden's
+    gradient is accumulated in fp32, or compensated, on every path). Further keywords
+    (``label_smoothing``, ``z_loss``, ``return_lse``, ``tp_group``, ``backend``, ``max_workspace_gib``, ...)
+    pass through."""
+    _check_flag("accum_e_fp32", accum_e_fp32)
     return linear_cross_entropy(e, c, targets, bias=bias, ignore_index=ignore_index, reduction=reduction,
-                                softcap=softcap, shift=shift, transpose_y=True, filter_eps=filter_eps, **kwargs)
+                                softcap=softcap, shift=shift, transpose_y=True, filter_eps=filter_eps,
+                                filter_e_grad=filter_e_grad, filter_c_grad=filter_c_grad, accum_c_fp32=accum_c_fp32,
+                                **kwargs)

@@ -1,6 +1,9 @@
 """LinearCrossEntropy kernels on the GPU against float64: per-token stats and loss, dh, dW, dbias,
 both weight layouts, a vocabulary shard (vocab_start), odd shapes, fp32/fp16/bf16, poisoned outputs
-and workspaces, the gradient filter, and a weight with more than 2^31 elements."""
+and workspaces, the gradient filter, and a weight with more than 2^31 elements; the cuBLASLt GEMM
+entry point and the chunked paths built on it (lean and bounded), the label-range flag."""
+
+import functools
 
 import numpy as np
 import pytest
@@ -54,7 +57,9 @@ def _run(provider, dtype, n_tok, D, V, transpose_y, options, filter_eps=None, sc
     loss = provider.poisoned((n_tok,))
     K.lse_forward(h, w, labels, b, partials, stats, transpose_y=transpose_y, vocab_start=VOCAB_START,
                   softcap=softcap, need_sum=eps > 0)
-    K.token_loss(stats, labels, loss, vocab_total=VOCAB_TOTAL, label_smoothing=eps, z_loss=z)
+    flag = provider.from_numpy(np.array([-100]), "int64")
+    K.token_loss(stats, labels, loss, flag, vocab_total=VOCAB_TOTAL, label_smoothing=eps, z_loss=z)
+    assert int(provider.to_numpy(flag)[0]) == -100
 
     coef_np = np.random.uniform(-1, 1, (2, n_tok))
     coef = provider.from_numpy(coef_np, "float32")
@@ -140,3 +145,168 @@ def test_weight_past_2_31_elements(provider):
     err = rel_err(provider.to_numpy(dw[-1000:]), provider.to_numpy(tail))
     assert err < 1e-2, f"dW tail rows: relative error {err:.3e}"
     assert_close("dh", provider.to_numpy(dh), provider.to_numpy(g @ w.float()), "bfloat16", baseline_err=2.0 ** -8)
+
+
+# ----------------------------------------------------------------------------------------------
+# cuBLASLt GEMM and the chunked paths
+
+
+def _gemm(provider):
+    from paddlenlp_fused.kernels.cuda import fused_dense
+    from paddlenlp_fused.kernels.cuda import gemm as cuda_gemm
+
+    ok, why = cuda_gemm.available()
+    assert ok, why
+    return functools.partial(cuda_gemm.gemm, workspace=provider.empty((fused_dense.workspace_bytes(0),), "uint8"))
+
+
+@pytest.mark.parametrize("dtype,d_dtype", [("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("float16", "float32"),
+                                           ("float32", "float32")])
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, False), (False, True), (True, True)])
+def test_gemm_blocks_alpha_beta(provider, dtype, d_dtype, trans_a, trans_b):
+    """D[m,n] = alpha op(A) op(B) + beta D on blocks of larger tensors (offsets, row strides), odd sizes;
+    the rest of D untouched."""
+    gemm = _gemm(provider)
+    m, n, k = 77, 45, 133
+    big_a = provider.randn((300, 160), dtype)
+    big_b = provider.randn((200, 150), dtype)
+    a_rows, a_cols = (k, m) if trans_a else (m, k)
+    b_rows, b_cols = (n, k) if trans_b else (k, n)
+    a_off, b_off = 3 * 160 + 5, 7 * 150 + 2
+    d = provider.randn((m + 4, 64), d_dtype)
+    d0 = provider.to_numpy(d)
+    a_np = provider.to_numpy(big_a).reshape(-1)[a_off:a_off + a_rows * 160].reshape(a_rows, 160)[:, :a_cols]
+    b_np = provider.to_numpy(big_b).reshape(-1)[b_off:b_off + b_rows * 150].reshape(b_rows, 150)[:, :b_cols]
+    op_a = a_np.T if trans_a else a_np
+    op_b = b_np.T if trans_b else b_np
+    gemm(big_a, big_b, d, m=m, n=n, k=k, trans_a=trans_a, trans_b=trans_b, alpha=0.75, beta=0.5, a_offset=a_off,
+         b_offset=b_off, d_offset=64 * 2 + 3, lda=160, ldb=150, ldd=64)
+    provider.synchronize()
+    got = provider.to_numpy(d)
+    want = d0.copy()
+    want[2:2 + m, 3:3 + n] = 0.75 * op_a @ op_b + 0.5 * d0[2:2 + m, 3:3 + n]
+    untouched = np.ones_like(got, dtype=bool)
+    untouched[2:2 + m, 3:3 + n] = False
+    np.testing.assert_array_equal(got[untouched], d0[untouched])
+    assert_close("gemm", got[2:2 + m, 3:3 + n], want[2:2 + m, 3:3 + n], d_dtype if d_dtype == dtype else "float32",
+                 baseline_err=2.0 ** -8 if d_dtype == "bfloat16" else None, tf32=dtype != "float32")
+    with pytest.raises(ValueError, match="a: a 77 x 133 block"):
+        gemm(big_a, big_b, d, m=m, n=n, k=k, a_offset=300 * 160 - 10, lda=160, ldb=150, ldd=64)
+
+
+def _chunked_setup(provider, dtype, n_tok, D, V, transpose_y, options):
+    torch = provider.torch
+    h = provider.randn((n_tok, D), dtype)
+    w = provider.randn((V, D) if transpose_y else (D, V), dtype, scale=3.0 / np.sqrt(D))
+    b = provider.randn((V,), dtype) if options else None
+    labels_np = np.random.randint(0, VOCAB_TOTAL, n_tok)
+    labels_np[: n_tok // 2] = np.random.randint(VOCAB_START, VOCAB_START + V, n_tok // 2)
+    labels_np[np.random.random_sample(n_tok) < 0.1] = -100
+    labels = torch.from_numpy(labels_np).to(provider.device)
+    return h, w, b, labels, labels_np, ((15.0, 0.1, 1e-3) if options else (None, 0.0, 0.0))
+
+
+def _reference_of(provider, h, w, b, labels_np, transpose_y, coef_p, coef_y, scale, opts):
+    h64, w64 = provider.to_numpy(h), provider.to_numpy(w)
+    w_vd = w64 if transpose_y else w64.T
+    b64 = provider.to_numpy(b) if b is not None else None
+    return _reference(h64, w_vd, b64, labels_np, coef_p, coef_y, scale, *opts)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-T{c[1]}-D{c[2]}-V{c[3]}-{'VD' if c[4] else 'DV'}"
+                                                      f"{'-options' if c[5] else ''}")
+def test_lean_path_matches_float64(provider, case):
+    """Several token blocks and vocabulary chunks (odd last ones); dW accumulated over the blocks in its dtype."""
+    dtype, n_tok, D, V, transpose_y, options = case
+    gemm = _gemm(provider)
+    h, w, b, labels, labels_np, (softcap, eps, z) = _chunked_setup(provider, dtype, n_tok, D, V, transpose_y, options)
+    plan = K.lean_plan(n_tok, V, tokens=max(n_tok // 3, 1), vocab=1000)
+    shapes = K.lean_workspace(plan, D, dtype)
+    work = {k: provider.poisoned(*v) for k, v in shapes.items()}
+    state, stats = provider.poisoned((4, n_tok)), provider.poisoned((3, n_tok))
+    loss = provider.poisoned((n_tok,))
+    flag = provider.from_numpy(np.array([-100]), "int64")
+    K.lean_forward(gemm, h, w, labels, b, work["logits"], state, stats, plan=plan, transpose_y=transpose_y,
+                   vocab_start=VOCAB_START, softcap=softcap, need_sum=eps > 0)
+    K.token_loss(stats, labels, loss, flag, vocab_total=VOCAB_TOTAL, label_smoothing=eps, z_loss=z)
+    coef_np = np.random.uniform(-1, 1, (2, n_tok))
+    coef = provider.from_numpy(coef_np, "float32")
+    dh, dw = provider.poisoned((n_tok, D), dtype), provider.poisoned(tuple(w.shape), dtype)
+    db = provider.poisoned((V,), dtype) if options else None
+    dbias_acc = provider.zeros((V,)) if options else None
+    K.lean_backward(gemm, h, w, labels, b, stats[0].contiguous(), coef[0].contiguous(), coef[1].contiguous(), 0.37,
+                    dh, dw, db, work["logits"], work.get("g"), work.get("dh_acc"), dbias_acc, plan=plan,
+                    transpose_y=transpose_y, vocab_start=VOCAB_START, vocab_total=VOCAB_TOTAL, softcap=softcap,
+                    label_smoothing=eps)
+    provider.synchronize()
+    assert int(provider.to_numpy(flag)[0]) == -100
+    ref = _reference_of(provider, h, w, b, labels_np, transpose_y, coef_np[0], coef_np[1], 0.37, (softcap, eps, z))
+    valid = labels_np != -100
+    assert_close("stats", provider.to_numpy(stats), ref[0], "float32", tf32=dtype != "float32")
+    assert_close("loss", provider.to_numpy(loss), np.where(valid, ref[1], 0.0), "float32", tf32=dtype != "float32")
+    got_dw = provider.to_numpy(dw) if transpose_y else provider.to_numpy(dw).T
+    base = 2.0 ** -8 if dtype != "float32" else None
+    assert_close("dh", provider.to_numpy(dh), ref[2], dtype, baseline_err=base)
+    assert_close("dw", got_dw, ref[3], dtype, baseline_err=base)
+    if options:
+        assert_close("db", provider.to_numpy(db), ref[4], dtype, baseline_err=base)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-T{c[1]}-D{c[2]}-V{c[3]}-{'VD' if c[4] else 'DV'}"
+                                                      f"{'-options' if c[5] else ''}")
+@pytest.mark.parametrize("dw_fp32", [False, True], ids=["dw-input-dtype", "dw-fp32-accumulated"])
+def test_bounded_path_matches_float64(provider, case, dw_fp32):
+    """Gradients in the forward pass over token blocks that fit a bound (3 blocks here); loss and lse from
+    the input-dtype logits as the plain composition in that dtype has them; dW in the input dtype or added
+    to an existing fp32 buffer."""
+    dtype, n_tok, D, V, transpose_y, options = case
+    gemm = _gemm(provider)
+    h, w, b, labels, labels_np, (softcap, eps, z) = _chunked_setup(provider, dtype, n_tok, D, V, transpose_y, options)
+    size = 2 if dtype != "float32" else 4
+    plan = K.bounded_plan(n_tok, V, dtype, (n_tok // 3 + 1) * -(-V // 8) * 8 * size)
+    assert -(-n_tok // plan.tokens) == 3
+    logits, stats = provider.poisoned((plan.tokens, plan.ld), dtype), provider.poisoned((3, plan.tokens))
+    loss = provider.poisoned((n_tok,))
+    flag = provider.from_numpy(np.array([-100]), "int64")
+    dh = provider.poisoned((n_tok, D), dtype)
+    prior = provider.randn(tuple(w.shape), "float32", scale=1e-4) if dw_fp32 else None
+    dw = prior.clone() if dw_fp32 else provider.poisoned(tuple(w.shape), dtype)
+    dbias_acc = provider.zeros((V,)) if options else None
+    valid = labels_np != -100
+    alpha = 1.0 / max(valid.sum(), 1)
+    K.bounded_forward(gemm, h, w, labels, b, logits, stats, loss, flag, dh, dw, dbias_acc, plan=plan, alpha=alpha,
+                      accumulate_dw=dw_fp32, transpose_y=transpose_y, vocab_start=VOCAB_START, vocab_total=VOCAB_TOTAL,
+                      ignore_index=-100, softcap=softcap, label_smoothing=eps, z_loss=z)
+    provider.synchronize()
+    assert int(provider.to_numpy(flag)[0]) == -100
+    ref0 = _reference_of(provider, h, w, b, labels_np, transpose_y, np.zeros(n_tok), np.zeros(n_tok), 1.0,
+                         (softcap, eps, z))
+    coef_y = valid.astype(np.float64)
+    coef_p = coef_y * (1 + 2 * z * ref0[0][0])
+    ref = _reference_of(provider, h, w, b, labels_np, transpose_y, coef_p, coef_y, alpha, (softcap, eps, z))
+    # the logits are rounded to the input dtype once (as the plain composition in that dtype rounds them)
+    bound = "float32" if dtype == "float32" else dtype
+    assert_close("loss", provider.to_numpy(loss), np.where(valid, ref[1], 0.0), bound,
+                 baseline_err=2.0 ** -8 if dtype != "float32" else None)
+    base = 2.0 ** -8 if dtype != "float32" else None
+    assert_close("dh", provider.to_numpy(dh), ref[2], dtype, baseline_err=base)
+    got_dw = provider.to_numpy(dw) - (provider.to_numpy(prior) if dw_fp32 else 0.0)
+    got_dw = got_dw if transpose_y else got_dw.T
+    assert_close("dw", got_dw, ref[3], dtype, baseline_err=base)
+    if options:
+        assert_close("db", provider.to_numpy(dbias_acc) * alpha, ref[4], dtype, baseline_err=base)
+
+
+def test_label_out_of_range_sets_the_flag(provider):
+    torch = provider.torch
+    n_tok, V = 300, 1000
+    stats = provider.randn((3, n_tok))
+    labels = torch.randint(0, V, (n_tok,), device=provider.device)
+    labels[17] = V + 5
+    labels[40] = -100
+    loss = provider.poisoned((n_tok,))
+    flag = provider.from_numpy(np.array([-100]), "int64")
+    K.token_loss(stats, labels, loss, flag, vocab_total=V)
+    got = provider.to_numpy(loss)
+    assert int(provider.to_numpy(flag)[0]) == V + 5
+    assert np.isnan(got[17]) and got[40] == 0.0 and np.isfinite(np.delete(got, 17)).all()

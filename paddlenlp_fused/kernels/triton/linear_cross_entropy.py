@@ -23,8 +23,12 @@ over chunks in fp32 registers and stored compensated (bf16/fp16 ``hi`` in dh plu
 buffer), so the sum over ~V/Vc chunks keeps fp32-like accuracy. The bias gradient is a column sum of
 G (fp32 atomics, then ``scale_cast``).
 
-Optional gradient filter: a G tile whose entries are all below ``filter_eps`` is written as zeros and
-flagged, and the two gradient GEMMs skip flagged blocks. ``filter_eps=None`` is the exact mode.
+Optional gradient filter (approximate, opt-in): a G tile whose entries are all below ``filter_eps`` is
+written as zeros and flagged, and the gradient GEMMs (dh, dW: each selectable) skip flagged blocks.
+``filter_eps=None`` is the exact mode.
+
+The chunked paths further down (``lean_*``, ``bounded_*``) take their GEMMs from the caller (cuBLASLt
+on the GPU) and run only the softmax / cross-entropy work on logits chunks here.
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ from .interpreter_compat import INTERPRETING, dot_operand
 NUM_SMS_GUESS = 132  # H100/H200; only shapes the forward's split count
 MAX_SPLITS = 48
 DEFAULT_CHUNK_BYTES = 32 * 2**20  # the backward's G workspace
-AUTO_FILTER_EPS = 2.0**-12
+# "auto" filter threshold: the input dtype's machine epsilon / 32 (Cut Cross-Entropy's rule): 2^-12 in
+# bf16, 2^-15 in fp16, 2^-28 in fp32.
+AUTO_FILTER_EPS = {"bfloat16": 2.0**-12, "float16": 2.0**-15, "float32": 2.0**-28}
 
 
 class TileConfig(NamedTuple):
@@ -62,13 +68,10 @@ class Tiles(NamedTuple):
 
 
 def default_tiles(dtype: str) -> Tiles:
-    """Fixed configs (no autotuning: predictable compile time). 16-bit inputs: the fastest of the H200
-    sweep at T=8192, D=4096, V=128256 (device_jobs/losses.sh, 2026-11-30; every backward config
-    checked against fp32 gradients): forward 128x256x64 tiles, 16-tile bands, 8 warps, 3 stages
-    (15.2 ms; 128x128x64 4 stages 16.3, 256x128x64 15.4-16.0); the softmax-gradient tiles 256x128x64,
-    8 warps, 3 stages, with the dW / dh products 128x256x64, 8 warps, 4 stages (backward 48.5 ms;
-    the former 128x128 / 3-stage 128x256 pair 51.2, 16 pairs between 48.5 and 54.5). fp32 runs on
-    CUDA cores in IEEE precision, in small tiles. The interpreter takes small tiles for speed."""
+    """Fixed configs (no autotuning: predictable compile time). 16-bit inputs: the fastest of an H200
+    sweep at T=8192, D=4096, V=128256 (each backward config checked against fp32 gradients; figures
+    in benchmarks/NOTES.md). fp32 runs on CUDA cores in IEEE precision, in small tiles. The
+    interpreter takes small tiles for speed."""
     if INTERPRETING:
         cfg = TileConfig(16, 32, 16, 4, 1, 1)
         return Tiles(cfg, cfg, cfg)
@@ -216,21 +219,24 @@ def _combine_kernel(part_ptr, stats_ptr, n_tok, n_split, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _token_loss_kernel(stats_ptr, labels_ptr, loss_ptr, n_tok, vocab_total, ignore_index, stride_label,
-                       label_smoothing, z_loss, BLOCK: tl.constexpr):
-    """loss = lse - (1-eps) s_y - eps/V sum(s) + z lse^2 for labelled tokens, 0 for ignored ones,
-    NaN for a label outside [0, vocab_total) (no silent wrong answer without a host sync)."""
+def _token_loss_kernel(stats_ptr, labels_ptr, loss_ptr, flag_ptr, n_tok, row0, stats_plane, vocab_total,
+                       ignore_index, stride_label, label_smoothing, z_loss, BLOCK: tl.constexpr):
+    """loss = lse - (1-eps) s_y - eps/V sum(s) + z lse^2 for tokens row0 + i (stats column i), 0 for
+    ignored ones; a label outside [0, vocab_total) gives NaN and is stored in ``flag`` (which the caller
+    set to ignore_index and reads once, without a sync per kernel)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < n_tok
     lse = tl.load(stats_ptr + offs, mask=keep, other=0.0)
-    tgt = tl.load(stats_ptr + n_tok + offs, mask=keep, other=0.0)
-    total = tl.load(stats_ptr + 2 * n_tok + offs, mask=keep, other=0.0)
-    label = tl.load(labels_ptr + offs.to(tl.int64) * stride_label, mask=keep, other=0).to(tl.int64)
+    tgt = tl.load(stats_ptr + stats_plane + offs, mask=keep, other=0.0)
+    total = tl.load(stats_ptr + 2 * stats_plane + offs, mask=keep, other=0.0)
+    rows = (row0 + offs).to(tl.int64)
+    label = tl.load(labels_ptr + rows * stride_label, mask=keep, other=ignore_index).to(tl.int64)
     loss = lse - (1.0 - label_smoothing) * tgt - (label_smoothing / vocab_total) * total + z_loss * lse * lse
-    in_range = (label >= 0) & (label < vocab_total)
-    loss = tl.where(in_range, loss, float("nan"))
+    bad = (label != ignore_index) & ((label < 0) | (label >= vocab_total))
+    loss = tl.where(bad, float("nan"), loss)
     loss = tl.where(label == ignore_index, 0.0, loss)
-    tl.store(loss_ptr + offs, loss, mask=keep)
+    tl.store(loss_ptr + rows, loss, mask=keep)
+    tl.store(flag_ptr + tl.zeros_like(offs), label, mask=keep & bad)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -457,19 +463,26 @@ def lse_forward(hidden, weight, labels, bias, partials, stats, *, transpose_y: b
     _combine_kernel[(triton.cdiv(p.n_tok, block),)](partials, stats, p.n_tok, n_split, BLOCK=block)
 
 
-def token_loss(stats, labels, loss, *, vocab_total: int, ignore_index: int = -100,
-               label_smoothing: float = 0.0, z_loss: float = 0.0) -> None:
-    """loss ``[T]`` fp32 from the (global) stats ``[3, T]`` (see ``lse_forward``)."""
-    (n_tok,) = T.shape(loss)
-    T.check_same_shape("stats", stats, (3, n_tok))
-    T.check_same_shape("labels", labels, (n_tok,))
-    T.check_contiguous("stats", stats)
-    T.check_contiguous("loss", loss)
+def token_loss(stats, labels, loss, flag, *, vocab_total: int, ignore_index: int = -100,
+               label_smoothing: float = 0.0, z_loss: float = 0.0, row0: int = 0, n_tok: int | None = None) -> None:
+    """loss ``[T]`` fp32 of tokens ``row0 .. row0 + n_tok`` from their (global) stats ``[3, >= n_tok]``
+    (see ``lse_forward``). ``flag``: int64 ``[1]`` set to ``ignore_index`` by the caller; a label outside
+    ``[0, vocab_total)`` is written there (and that token's loss is NaN)."""
+    n_tok = T.shape(loss)[0] - row0 if n_tok is None else n_tok
+    T.check_same_shape("flag", flag, (1,))
+    if T.dtype_name(flag) != "int64":
+        raise TypeError(f"flag: expected int64, got {T.dtype_name(flag)}")
+    if len(T.shape(stats)) != 2 or T.shape(stats)[0] != 3 or T.shape(stats)[1] < n_tok:
+        raise ValueError(f"stats: expected [3, >= {n_tok}], got {T.shape(stats)}")
+    if row0 < 0 or row0 + n_tok > min(T.shape(loss)[0], T.shape(labels)[0]):
+        raise ValueError(f"row0: tokens {row0}..{row0 + n_tok} past loss {T.shape(loss)} / labels {T.shape(labels)}")
+    for name, t in (("stats", stats), ("loss", loss)):
+        T.check_contiguous(name, t)
     if n_tok == 0:
         return
     block = 1024
     _token_loss_kernel[(triton.cdiv(n_tok, block),)](
-        stats, labels, loss, n_tok, vocab_total, ignore_index, T.strides(labels)[0],
+        stats, labels, loss, flag, n_tok, row0, T.shape(stats)[1], vocab_total, ignore_index, T.strides(labels)[0],
         float(label_smoothing), float(z_loss), BLOCK=block)
 
 
@@ -507,7 +520,8 @@ def _filter_compatible(tiles: Tiles, transpose_y: bool) -> Tiles:
 def lce_backward(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, dh, dw, dbias,
                  g_work, lo_work, flags, dbias_acc, *, transpose_y: bool = True, vocab_start: int = 0,
                  vocab_total: int | None = None, softcap: float | None = None, label_smoothing: float = 0.0,
-                 filter_eps: float | None = None, tiles: Tiles | None = None) -> None:
+                 filter_eps: float | None = None, filter_dh: bool = True, filter_dw: bool = True,
+                 tiles: Tiles | None = None) -> None:
     """Gradients for this rank's vocabulary rows, written into dh ``[T, D]`` (a partial sum over the
     rows held here), dw (the weight's layout) and dbias ``[V]`` (or None).
 
@@ -515,6 +529,7 @@ def lce_backward(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, dh, d
     ``coef_y = dloss``, zero where a token carries no gradient); scale: fp32 ``[1]`` multiplying every
     gradient (so the coefficients can be normalised and G stays in fp16 range). Workspaces as
     ``backward_workspace`` says: g_work, lo_work (None for fp32), flags, dbias_acc (None without bias).
+    With ``filter_eps``, ``filter_dh`` / ``filter_dw`` say which gradient GEMMs skip the filtered tiles.
     """
     p = _problem(hidden, weight, labels, bias, transpose_y)
     tiles = tiles or default_tiles(p.dtype)
@@ -559,16 +574,16 @@ def lce_backward(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, dh, d
         if transpose_y:  # dW[c0:c0+n, :] = G^T h  (rows of dW contiguous along D)
             _matmul(p, mm, g_work, hidden, dw, None, scale, flags, n, p.D, p.n_tok, 0, 0, c0 * stride_dwv,
                     (1, chunk), (p.stride_ht, p.stride_hd), (stride_dwv, stride_dwd), stride_flag,
-                    epilogue=0, first=True, last=True, filter_mode=2 if filt else 0, **flag_blocks)
+                    epilogue=0, first=True, last=True, filter_mode=2 if filt and filter_dw else 0, **flag_blocks)
         else:  # dW^T[:, c0:c0+n] = h^T G  (dW is [D, V], contiguous along V)
             _matmul(p, mm, hidden, g_work, dw, None, scale, flags, p.D, n, p.n_tok, 0, 0, c0 * stride_dwv,
                     (p.stride_hd, p.stride_ht), (chunk, 1), (stride_dwd, stride_dwv), stride_flag,
-                    epilogue=0, first=True, last=True, filter_mode=3 if filt else 0, **flag_blocks)
+                    epilogue=0, first=True, last=True, filter_mode=3 if filt and filter_dw else 0, **flag_blocks)
         # dh (+)= G W[c0:c0+n]: fp32 dh accumulates in place; 16-bit dh as hi + lo
         _matmul(p, mm, g_work, weight, dh, lo_work, scale, flags, p.n_tok, p.D, n, 0, c0 * p.stride_wv, 0,
                 (chunk, 1), (p.stride_wv, p.stride_wd), T.strides(dh), stride_flag,
                 epilogue=1 if ws.lo is None else 2, first=c0 == 0, last=c0 + chunk >= p.V,
-                filter_mode=1 if filt else 0, **flag_blocks)
+                filter_mode=1 if filt and filter_dh else 0, **flag_blocks)
     if bias is not None:
         block = 1024
         _scale_cast_kernel[(triton.cdiv(p.V, block),)](dbias_acc, scale, dbias, p.V, BLOCK=block)
@@ -585,6 +600,361 @@ def _matmul(p: Problem, cfg: TileConfig, a, b, c, lo, scale, flags, M, N, K, a_o
         FILTER_MODE=filter_mode, **_meta(p, cfg, K))
 
 
+# ----------------------------------------------------------------------------------------------
+# chunked paths: logits chunks come from an outside GEMM (cuBLASLt on the GPU, injected by the
+# caller as ``gemm``); the softmax / cross-entropy work on each chunk runs here.
+#
+# lean     4 GEMMs, workspace flat in T and V: tokens in blocks of Tb, vocabulary in chunks of Vc.
+#          forward: fp32 logits [Tb, Vc] -> online (max, sum-exp, target, sum) per token;
+#          backward: the logits again -> G [Tb, Vc] -> dW[chunk] (+)= G^T h_blk (over T / Tb token
+#          blocks, in dW's dtype), dh_acc (fp32 [Tb, D]) (+)= G W[chunk] over the chunks.
+# bounded  3 GEMMs, gradients in the forward pass: tokens in blocks whose [Tb, V] logits (input dtype)
+#          fit the caller's bound; per block the logits once -> stats -> loss -> G in place ->
+#          dh[blk] = G W (complete) and dW (+)= G^T h_blk (over T / Tb blocks, in dW's dtype: fp32
+#          when the caller hands an fp32 buffer).
+# A gemm is called as gemm(a, b, d, m=, n=, k=, trans_a=, trans_b=, alpha=, beta=, a_offset=,
+# b_offset=, d_offset=, lda=, ldb=, ldd=): row-major D[m,n] = alpha op(A) op(B) + beta D
+# (kernels/cuda/gemm.py), operands as tensors plus element offsets and row strides.
+
+LEAN_PLAN = (2048, 4096)  # (token block, vocabulary chunk); logits fp32 32 MiB + G 16 + dh_acc 32 at D=4096
+ROW_BLOCK, COL_BLOCK = 4, 1024  # the stats kernel: rows per program, columns per step
+GRAD_TILE = (32, 256)  # the gradient kernel's tile
+
+
+class ChunkPlan(NamedTuple):
+    tokens: int  # token block Tb
+    vocab: int  # vocabulary chunk Vc (V: the bounded path's whole vocabulary)
+    ld: int  # row stride of the logits buffer (Vc or V rounded up to 8 elements: aligned GEMM rows)
+
+
+def _round8(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+def lean_plan(n_tok: int, V: int, tokens: int | None = None, vocab: int | None = None) -> ChunkPlan:
+    tb, vc = LEAN_PLAN
+    tb = max(1, min(tokens or tb, max(n_tok, 1)))
+    vc = max(1, min(vocab or vc, max(V, 1)))
+    return ChunkPlan(tb, vc, _round8(vc))
+
+
+def lean_workspace(plan: ChunkPlan, D: int, dtype: str) -> dict:
+    """Shapes (and dtypes) the caller allocates for the lean path: fp32 logits; G (the logits buffer
+    itself for fp32); the fp32 dh accumulator (none for fp32: dh accumulates in place)."""
+    out = {"logits": ((plan.tokens, plan.ld), "float32")}
+    if dtype != "float32":
+        out["g"] = ((plan.tokens, plan.ld), dtype)
+        out["dh_acc"] = ((plan.tokens, D), "float32")
+    return out
+
+
+def bounded_plan(n_tok: int, V: int, dtype: str, max_bytes: int) -> ChunkPlan:
+    """The fewest token blocks whose [Tb, V] logits (``dtype``) fit ``max_bytes``, balanced in size
+    (each block reads and writes the whole dW, so few large blocks beat many small ones)."""
+    row = _round8(V) * T.itemsize(dtype)
+    most = int(max_bytes) // row
+    if most < 1:
+        raise ValueError(f"max_workspace_gib: {max_bytes / 2**30:.4g} GiB holds no token's logits "
+                         f"({row} bytes a token at V={V})")
+    blocks = -(-max(n_tok, 1) // most)
+    return ChunkPlan(-(-max(n_tok, 1) // blocks), V, _round8(V))
+
+
+@triton.jit
+def _chunk_stats_kernel(x_ptr, ld_x, bias_ptr, labels_ptr, state_ptr, stats_ptr,
+                        n_rows, n_cols, row0, col0, vocab_start, state_plane, stats_plane, stats_row0,
+                        stride_label, softcap,
+                        FIRST: tl.constexpr, LAST: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+                        NEED_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Folds logits x[r, j] (token row0 + r, vocabulary row col0 + j of this rank) into the running
+    (max, sum-exp, target logit, logit sum) ``state [4, state_plane]`` (token-indexed); on the LAST
+    chunk writes ``stats [3, stats_plane]`` (lse, target, sum) at column row0 + r - stats_row0."""
+    offs_r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    keep_r = offs_r < n_rows
+    rows = (row0 + offs_r).to(tl.int64)
+    local = tl.load(labels_ptr + rows * stride_label, mask=keep_r, other=-1).to(tl.int64) - vocab_start - col0
+    if FIRST:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        tgt = tl.zeros([BLOCK_M], tl.float32)
+        total = tl.zeros([BLOCK_M], tl.float32)
+    else:
+        m_i = tl.load(state_ptr + rows, mask=keep_r, other=0.0)
+        l_i = tl.load(state_ptr + state_plane + rows, mask=keep_r, other=0.0)
+        tgt = tl.load(state_ptr + 2 * state_plane + rows, mask=keep_r, other=0.0)
+        total = tl.load(state_ptr + 3 * state_plane + rows, mask=keep_r, other=0.0)
+    x_rows = x_ptr + offs_r.to(tl.int64)[:, None] * ld_x
+    for c in range(0, n_cols, BLOCK_N):
+        cols = c + tl.arange(0, BLOCK_N)
+        inside = keep_r[:, None] & (cols < n_cols)[None, :]
+        s = tl.load(x_rows + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            s += tl.load(bias_ptr + col0 + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        s_in = tl.where(inside, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s_in, 1))
+        m_safe = tl.where(keep_r, m_new, 0.0)  # rows past the block: no inf - inf
+        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s_in - m_safe[:, None]), 1)
+        m_i = m_new
+        tgt += tl.sum(tl.where(inside & (cols[None, :] == local[:, None]), s, 0.0), 1)
+        if NEED_SUM:
+            total += tl.sum(tl.where(inside, s, 0.0), 1)
+    if LAST:
+        out = stats_ptr + (rows - stats_row0)
+        tl.store(out, m_i + tl.log(l_i), mask=keep_r)
+        tl.store(out + stats_plane, tgt, mask=keep_r)
+        tl.store(out + 2 * stats_plane, total, mask=keep_r)
+    else:
+        tl.store(state_ptr + rows, m_i, mask=keep_r)
+        tl.store(state_ptr + state_plane + rows, l_i, mask=keep_r)
+        tl.store(state_ptr + 2 * state_plane + rows, tgt, mask=keep_r)
+        tl.store(state_ptr + 3 * state_plane + rows, total, mask=keep_r)
+
+
+@triton.jit
+def _chunk_grad_kernel(x_ptr, ld_x, g_ptr, ld_g, bias_ptr, labels_ptr, lse_ptr, coef_p_ptr, coef_y_ptr, dbias_ptr,
+                       n_rows, n_cols, row0, col0, vocab_start, vocab_total, lse_row0, stride_label, ignore_index,
+                       softcap, label_smoothing, z_loss,
+                       HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr, SOFTCAP: tl.constexpr, COEFS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """G = f'(a) (coef_p softmax - coef_y ((1 - eps) onehot + eps / V_total)) of a logits chunk, stored
+    in g (which may be x itself: each element is read and then written by the same program).
+    COEFS: coef_p / coef_y are token-indexed arrays; else coef_y = [label != ignore_index] and
+    coef_p = coef_y (1 + 2 z lse). dbias (fp32, vocabulary-indexed) += the column sums of G."""
+    offs_r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep_r = offs_r < n_rows
+    keep_c = offs_c < n_cols
+    rows = (row0 + offs_r).to(tl.int64)
+    label = tl.load(labels_ptr + rows * stride_label, mask=keep_r, other=ignore_index).to(tl.int64)
+    lse = tl.load(lse_ptr + (rows - lse_row0), mask=keep_r, other=0.0)
+    if COEFS:
+        coef_p = tl.load(coef_p_ptr + rows, mask=keep_r, other=0.0)
+        coef_y = tl.load(coef_y_ptr + rows, mask=keep_r, other=0.0)
+    else:
+        coef_y = tl.where(label != ignore_index, 1.0, 0.0)
+        coef_p = coef_y * (1.0 + 2.0 * z_loss * lse)
+    inside = keep_r[:, None] & keep_c[None, :]
+    s = tl.load(x_ptr + offs_r.to(tl.int64)[:, None] * ld_x + offs_c[None, :], mask=inside, other=0.0)
+    s = s.to(tl.float32)
+    if HAS_BIAS:
+        s += tl.load(bias_ptr + col0 + offs_c, mask=keep_c, other=0.0).to(tl.float32)[None, :]
+    if SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    local = label - vocab_start - col0
+    target = tl.where(offs_c[None, :] == local[:, None], 1.0 - label_smoothing, 0.0) + label_smoothing / vocab_total
+    grad = coef_p[:, None] * tl.exp(s - lse[:, None]) - coef_y[:, None] * target
+    if SOFTCAP:
+        capped = s / softcap
+        grad = grad * (1.0 - capped * capped)
+    grad = tl.where(inside, grad, 0.0)
+    tl.store(g_ptr + offs_r.to(tl.int64)[:, None] * ld_g + offs_c[None, :], grad.to(g_ptr.dtype.element_ty),
+             mask=inside)
+    if DBIAS:
+        tl.atomic_add(dbias_ptr + col0 + offs_c, tl.sum(grad, 0), mask=keep_c)
+
+
+@triton.jit
+def _cast_scale_kernel(src_ptr, dst_ptr, n, dst_offset, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < n
+    x = tl.load(src_ptr + offs, mask=keep, other=0.0) * scale
+    tl.store(dst_ptr + dst_offset + offs, x.to(dst_ptr.dtype.element_ty), mask=keep)
+
+
+def _cast_scale(src, dst, n: int, dst_offset: int = 0, scale: float = 1.0) -> None:
+    if n:
+        block = 1024
+        _cast_scale_kernel[(triton.cdiv(n, block),)](src, dst, n, dst_offset, float(scale), BLOCK=block)
+
+
+def _unit_inner(p: Problem, transpose_y: bool) -> None:
+    if p.stride_hd != 1 and p.D > 1:
+        raise ValueError(f"hidden: the chunked paths take a contiguous last axis, got stride {p.stride_hd}")
+    inner = p.stride_wd if transpose_y else p.stride_wv
+    if inner != 1 and p.D > 1 and p.V > 1:
+        raise ValueError("weight: the chunked paths take a weight with a contiguous last axis")
+
+
+def _logits_gemm(gemm, p: Problem, hidden, weight, out, t0, tb, c0, vc, ld, transpose_y) -> None:
+    """out[:tb, :vc] = h[t0 : t0 + tb] @ W[c0 : c0 + vc]^T (W in either layout)."""
+    if transpose_y:  # W [V, D]: rows c0.. used transposed
+        wb = dict(trans_b=True, b_offset=c0 * p.stride_wv, ldb=p.stride_wv)
+    else:  # W [D, V]: columns c0..
+        wb = dict(trans_b=False, b_offset=c0, ldb=p.stride_wd)
+    gemm(hidden, weight, out, m=tb, n=vc, k=p.D, trans_a=False, alpha=1.0, beta=0.0, a_offset=t0 * p.stride_ht,
+         lda=p.stride_ht, d_offset=0, ldd=ld, **wb)
+
+
+def _dh_gemm(gemm, p: Problem, g, ld_g, weight, d, d_offset, ldd, tb, c0, vc, alpha, beta, transpose_y) -> None:
+    """d[tb, D] (+)= alpha G[:tb, :vc] @ W[c0 : c0 + vc]."""
+    if transpose_y:
+        wb = dict(trans_b=False, b_offset=c0 * p.stride_wv, ldb=p.stride_wv)
+    else:
+        wb = dict(trans_b=True, b_offset=c0, ldb=p.stride_wd)
+    gemm(g, weight, d, m=tb, n=p.D, k=vc, trans_a=False, alpha=alpha, beta=beta, a_offset=0, lda=ld_g,
+         d_offset=d_offset, ldd=ldd, **wb)
+
+
+def _dw_gemm(gemm, p: Problem, g, ld_g, hidden, dw, t0, tb, c0, vc, alpha, beta, transpose_y) -> None:
+    """dW[c0 : c0 + vc] (+)= alpha G[:tb, :vc]^T h[t0 : t0 + tb], in dW's layout."""
+    st = T.strides(dw)
+    if transpose_y:  # dW [V, D]
+        gemm(g, hidden, dw, m=vc, n=p.D, k=tb, trans_a=True, trans_b=False, alpha=alpha, beta=beta, a_offset=0,
+             lda=ld_g, b_offset=t0 * p.stride_ht, ldb=p.stride_ht, d_offset=c0 * st[0], ldd=st[0])
+    else:  # dW [D, V]: dW[:, c0..] = h^T G
+        gemm(hidden, g, dw, m=p.D, n=vc, k=tb, trans_a=True, trans_b=False, alpha=alpha, beta=beta,
+             a_offset=t0 * p.stride_ht, lda=p.stride_ht, b_offset=0, ldb=ld_g, d_offset=c0, ldd=st[0])
+
+
+def _check_buffer(name, t, shape, dtype) -> None:
+    T.check_same_shape(name, t, shape)
+    T.check_contiguous(name, t)
+    if T.dtype_name(t) != dtype:
+        raise TypeError(f"{name}: expected {dtype}, got {T.dtype_name(t)}")
+
+
+def lean_forward(gemm, hidden, weight, labels, bias, logits, state, stats, *, plan: ChunkPlan,
+                 transpose_y: bool = True, vocab_start: int = 0, softcap: float | None = None,
+                 need_sum: bool = False) -> None:
+    """Per-token stats ``[3, T]`` over this rank's vocabulary (as ``lse_forward``), from fp32 logits
+    chunks ``logits [Tb, ld]``; ``state``: fp32 ``[4, T]`` workspace."""
+    p = _problem(hidden, weight, labels, bias, transpose_y)
+    _unit_inner(p, transpose_y)
+    _check_buffer("logits", logits, (plan.tokens, plan.ld), "float32")
+    _check_buffer("state", state, (4, p.n_tok), "float32")
+    _check_buffer("stats", stats, (3, p.n_tok), "float32")
+    if p.n_tok == 0:
+        return
+    if p.V == 0:
+        raise ValueError("weight: this rank holds no vocabulary rows")
+    for t0 in range(0, p.n_tok, plan.tokens):
+        tb = min(plan.tokens, p.n_tok - t0)
+        for c0 in range(0, p.V, plan.vocab):
+            vc = min(plan.vocab, p.V - c0)
+            _logits_gemm(gemm, p, hidden, weight, logits, t0, tb, c0, vc, plan.ld, transpose_y)
+            _chunk_stats_kernel[(triton.cdiv(tb, ROW_BLOCK),)](
+                logits, plan.ld, bias if bias is not None else logits, labels, state, stats,
+                tb, vc, t0, c0, vocab_start, p.n_tok, p.n_tok, 0, p.stride_label, float(softcap or 1.0),
+                FIRST=c0 == 0, LAST=c0 + plan.vocab >= p.V, HAS_BIAS=bias is not None, SOFTCAP=softcap is not None,
+                NEED_SUM=need_sum, BLOCK_M=ROW_BLOCK, BLOCK_N=COL_BLOCK)
+
+
+def _grad_chunk(x, ld_x, g, ld_g, bias, labels, lse, coef_p, coef_y, dbias_acc, tb, vc, t0, c0, lse_row0, p,
+                vocab_start, vocab_total, ignore_index, softcap, label_smoothing, z_loss, coefs) -> None:
+    bm, bn = GRAD_TILE
+    _chunk_grad_kernel[(triton.cdiv(tb, bm), triton.cdiv(vc, bn))](
+        x, ld_x, g, ld_g, bias if bias is not None else x, labels, lse,
+        coef_p if coefs else lse, coef_y if coefs else lse, dbias_acc if dbias_acc is not None else lse,
+        tb, vc, t0, c0, vocab_start, vocab_total, lse_row0, p.stride_label, ignore_index,
+        float(softcap or 1.0), float(label_smoothing), float(z_loss),
+        HAS_BIAS=bias is not None, DBIAS=dbias_acc is not None, SOFTCAP=softcap is not None, COEFS=coefs,
+        BLOCK_M=bm, BLOCK_N=bn)
+
+
+def lean_backward(gemm, hidden, weight, labels, bias, lse, coef_p, coef_y, scale: float, dh, dw, dbias,
+                  logits, g, dh_acc, dbias_acc, *, plan: ChunkPlan, transpose_y: bool = True, vocab_start: int = 0,
+                  vocab_total: int | None = None, softcap: float | None = None, label_smoothing: float = 0.0) -> None:
+    """Gradients of this rank's rows into dh ``[T, D]`` (partial sum over the rows held here), dw (the
+    weight's layout) and dbias ``[V]``; any of them None when not wanted. lse, coef_p, coef_y as for
+    ``lce_backward``; ``scale`` (a host float) multiplies every gradient in the GEMMs. Workspaces as
+    ``lean_workspace`` says (``g`` and ``dh_acc`` None for fp32); ``dbias_acc`` fp32 ``[V]`` zeroed."""
+    p = _problem(hidden, weight, labels, bias, transpose_y)
+    _unit_inner(p, transpose_y)
+    vocab_total = p.V if vocab_total is None else vocab_total
+    shapes = lean_workspace(plan, p.D, p.dtype)
+    _check_buffer("logits", logits, *shapes["logits"])
+    if p.dtype != "float32":
+        _check_buffer("g", g, *shapes["g"])
+        _check_buffer("dh_acc", dh_acc, *shapes["dh_acc"])
+    else:
+        g = logits
+    for name, t in (("lse", lse), ("coef_p", coef_p), ("coef_y", coef_y)):
+        _check_buffer(name, t, (p.n_tok,), "float32")
+    if dh is not None:
+        _check_buffer("dh", dh, (p.n_tok, p.D), p.dtype)
+    if dw is not None:
+        T.check_same_shape("dw", dw, T.shape(weight))
+        T.check_contiguous("dw", dw)
+    if dbias is not None:
+        _check_buffer("dbias_acc", dbias_acc, (p.V,), "float32")
+    if p.n_tok == 0 or p.V == 0 or p.D == 0:
+        return
+    for t0 in range(0, p.n_tok, plan.tokens):
+        tb = min(plan.tokens, p.n_tok - t0)
+        for c0 in range(0, p.V, plan.vocab):
+            vc = min(plan.vocab, p.V - c0)
+            _logits_gemm(gemm, p, hidden, weight, logits, t0, tb, c0, vc, plan.ld, transpose_y)
+            _grad_chunk(logits, plan.ld, g, plan.ld, bias, labels, lse, coef_p, coef_y,
+                        dbias_acc if dbias is not None else None, tb, vc, t0, c0, 0, p, vocab_start, vocab_total, 0,
+                        softcap, label_smoothing, 0.0, True)
+            if dw is not None:
+                _dw_gemm(gemm, p, g, plan.ld, hidden, dw, t0, tb, c0, vc, scale, 0.0 if t0 == 0 else 1.0,
+                         transpose_y)
+            if dh is not None:
+                first = 0.0 if c0 == 0 else 1.0
+                if p.dtype == "float32":
+                    _dh_gemm(gemm, p, g, plan.ld, weight, dh, t0 * p.D, p.D, tb, c0, vc, scale, first, transpose_y)
+                else:
+                    _dh_gemm(gemm, p, g, plan.ld, weight, dh_acc, 0, p.D, tb, c0, vc, scale, first, transpose_y)
+        if dh is not None and p.dtype != "float32":
+            _cast_scale(dh_acc, dh, tb * p.D, t0 * p.D)
+    if dbias is not None:
+        _cast_scale(dbias_acc, dbias, p.V, 0, scale)
+
+
+def bounded_forward(gemm, hidden, weight, labels, bias, logits, stats, loss, flag, dh, dw, dbias_acc, *,
+                    plan: ChunkPlan, alpha: float, accumulate_dw: bool = False, combine=None,
+                    transpose_y: bool = True, vocab_start: int = 0, vocab_total: int | None = None,
+                    ignore_index: int = -100, softcap: float | None = None, label_smoothing: float = 0.0,
+                    z_loss: float = 0.0) -> None:
+    """Loss and gradients in one pass over token blocks (3 GEMMs): per-token loss ``[T]`` (flag as
+    ``token_loss``), dh ``[T, D]`` (partial over the rows held here), dW (the weight's layout, input
+    dtype or fp32; added to its contents when ``accumulate_dw``), dbias_acc (fp32 ``[V]``, zeroed: the
+    unscaled bias gradient); each gradient for a loss of ``alpha * sum`` of the per-token losses.
+    ``logits [Tb, ld]`` and ``stats [3, Tb]`` (fp32) are the per-block workspaces; ``combine(stats)``
+    returns the global stats of a block (vocabulary parallel) and may return ``stats`` itself."""
+    p = _problem(hidden, weight, labels, bias, transpose_y)
+    _unit_inner(p, transpose_y)
+    vocab_total = p.V if vocab_total is None else vocab_total
+    _check_buffer("logits", logits, (plan.tokens, plan.ld), p.dtype)
+    _check_buffer("stats", stats, (3, plan.tokens), "float32")
+    _check_buffer("loss", loss, (p.n_tok,), "float32")
+    if dh is not None:
+        _check_buffer("dh", dh, (p.n_tok, p.D), p.dtype)
+    if dw is not None:
+        T.check_same_shape("dw", dw, T.shape(weight))
+        T.check_contiguous("dw", dw)
+        if T.dtype_name(dw) not in (p.dtype, "float32"):
+            raise TypeError(f"dw: expected {p.dtype} or float32, got {T.dtype_name(dw)}")
+    if bias is not None:
+        _check_buffer("dbias_acc", dbias_acc, (p.V,), "float32")
+    if p.n_tok == 0:
+        return
+    if p.V == 0:
+        raise ValueError("weight: this rank holds no vocabulary rows")
+    for t0 in range(0, p.n_tok, plan.tokens):
+        tb = min(plan.tokens, p.n_tok - t0)
+        _logits_gemm(gemm, p, hidden, weight, logits, t0, tb, 0, p.V, plan.ld, transpose_y)
+        _chunk_stats_kernel[(triton.cdiv(tb, ROW_BLOCK),)](
+            logits, plan.ld, bias if bias is not None else logits, labels, stats, stats,
+            tb, p.V, t0, 0, vocab_start, plan.tokens, plan.tokens, t0, p.stride_label, float(softcap or 1.0),
+            FIRST=True, LAST=True, HAS_BIAS=bias is not None, SOFTCAP=softcap is not None,
+            NEED_SUM=label_smoothing > 0, BLOCK_M=ROW_BLOCK, BLOCK_N=COL_BLOCK)
+        glob = stats if combine is None else combine(stats)
+        token_loss(glob, labels, loss, flag, vocab_total=vocab_total, ignore_index=ignore_index,
+                   label_smoothing=label_smoothing, z_loss=z_loss, row0=t0, n_tok=tb)
+        _grad_chunk(logits, plan.ld, logits, plan.ld, bias, labels, glob, None, None,
+                    dbias_acc if bias is not None else None, tb, p.V, t0, 0, t0,
+                    p, vocab_start, vocab_total, ignore_index, softcap, label_smoothing, z_loss, False)
+        if dh is not None:
+            _dh_gemm(gemm, p, logits, plan.ld, weight, dh, t0 * p.D, p.D, tb, 0, p.V, alpha, 0.0, transpose_y)
+        if dw is not None:
+            beta = 1.0 if (t0 > 0 or accumulate_dw) else 0.0
+            _dw_gemm(gemm, p, logits, plan.ld, hidden, dw, t0, tb, 0, p.V, alpha, beta, transpose_y)
+
+
 def flops(n_tok: int, D: int, V: int) -> dict:
     """Matrix FLOPs: the forward's logits; the backward's logits, dW and dh; the 3-GEMM floor."""
     gemm = 2 * n_tok * D * V
@@ -593,7 +963,8 @@ def flops(n_tok: int, D: int, V: int) -> dict:
 
 def compile_cases():
     """The canonical bf16 case (plain, and with bias, softcap, smoothing and the filter) and a small
-    fp32 case in the [D, V] layout."""
+    fp32 case in the [D, V] layout; the chunked paths' kernels (their GEMMs are cuBLASLt's, not
+    compiled here) at an odd vocabulary, with and without the options."""
     cases = [("bfloat16", 8192, 4096, 128256, True, False), ("bfloat16", 8192, 4096, 128256, True, True),
              ("float32", 37, 48, 300, False, True)]
     for dtype, n_tok, D, V, transpose_y, options in cases:
@@ -611,8 +982,35 @@ def compile_cases():
         tag = f"{dtype},T={n_tok},D={D},V={V},{'VD' if transpose_y else 'DV'}{',options' if options else ''}"
         yield f"lce_forward[{tag}]", lambda a=(hidden, weight, labels, bias, partials, stats), o=opts, \
             ns=options: lse_forward(*a, need_sum=ns, **o)
-        yield f"lce_token_loss[{tag}]", lambda a=(stats, labels, vec), V=V: token_loss(
+        flag = spec((1,), "int64")
+        yield f"lce_token_loss[{tag}]", lambda a=(stats, labels, vec, flag), V=V: token_loss(
             *a, vocab_total=V, label_smoothing=0.1)
         yield f"lce_backward[{tag}]", lambda a=(hidden, weight, labels, bias, vec, vec, vec, scale) + grads + work, \
-            o=opts, f=options: lce_backward(*a, label_smoothing=0.1 if f else 0.0,
-                                            filter_eps=AUTO_FILTER_EPS if f else None, **o)
+            o=opts, f=options, d=dtype: lce_backward(*a, label_smoothing=0.1 if f else 0.0,
+                                                     filter_eps=AUTO_FILTER_EPS[d] if f else None, **o)
+    no_gemm = lambda *args, **kwargs: None  # noqa: E731
+    for dtype, options in (("bfloat16", False), ("bfloat16", True), ("float32", True)):
+        spec = T.SpecTensor
+        n_tok, D, V = 4096, 4096, 8229
+        hidden, labels, weight = spec((n_tok, D), dtype), spec((n_tok,), "int64"), spec((V, D), dtype)
+        bias = spec((V,), dtype) if options else None
+        vec, stats, state = spec((n_tok,), "float32"), spec((3, n_tok), "float32"), spec((4, n_tok), "float32")
+        plan = lean_plan(n_tok, V)
+        ws = {k: spec(*v) for k, v in lean_workspace(plan, D, dtype).items()}
+        opts = dict(plan=plan, softcap=30.0 if options else None)
+        tag = f"{dtype},T={n_tok},D={D},V={V}{',options' if options else ''}"
+        yield f"lce_lean_forward[{tag}]", lambda a=(hidden, weight, labels, bias, ws["logits"], state, stats), \
+            o=opts, ns=options: lean_forward(no_gemm, *a, need_sum=ns, **o)
+        yield f"lce_lean_backward[{tag}]", lambda a=(hidden, weight, labels, bias, vec, vec, vec, 0.5,
+                                                     spec((n_tok, D), dtype), spec((V, D), dtype),
+                                                     bias, ws["logits"], ws.get("g"), ws.get("dh_acc"),
+                                                     spec((V,), "float32")), \
+            o=opts, f=options: lean_backward(no_gemm, *a, label_smoothing=0.1 if f else 0.0, **o)
+        bplan = bounded_plan(n_tok, V, dtype, 2**26)
+        yield f"lce_bounded_forward[{tag}]", lambda a=(hidden, weight, labels, bias,
+                                                       spec((bplan.tokens, bplan.ld), dtype),
+                                                       spec((3, bplan.tokens), "float32"), vec, spec((1,), "int64"),
+                                                       spec((n_tok, D), dtype), spec((V, D), "float32"),
+                                                       spec((V,), "float32") if options else None), \
+            p=bplan, f=options: bounded_forward(no_gemm, *a, plan=p, alpha=0.5, softcap=30.0 if f else None,
+                                                label_smoothing=0.1 if f else 0.0, z_loss=1e-4 if f else 0.0)
