@@ -12,7 +12,7 @@ import importlib.util
 import os
 import pathlib
 
-from setuptools import setup
+from setuptools import Distribution, setup
 from setuptools.command.build_py import build_py
 
 try:  # setuptools >= 70.1 ships bdist_wheel; older ones take it from the wheel package
@@ -57,14 +57,16 @@ class BuildPyWithCuda(build_py):
         _load_builder().build(base / "paddlenlp_fused" / "_lib")
 
 
-class PlatformWheel(bdist_wheel):
-    def finalize_options(self):
-        super().finalize_options()
-        self.root_is_pure = not BUILD_CUDA
+class CudaDistribution(Distribution):
+    def has_ext_modules(self):
+        # a platform build: the library goes into platlib and the wheel gets a platform tag
+        return BUILD_CUDA
 
+
+class PlatformWheel(bdist_wheel):
     def get_tag(self):
         tag = super().get_tag()
         return tag if self.root_is_pure else ("py3", "none", tag[2])
 
 
-setup(cmdclass={"build_py": BuildPyWithCuda, "bdist_wheel": PlatformWheel})
+setup(distclass=CudaDistribution, cmdclass={"build_py": BuildPyWithCuda, "bdist_wheel": PlatformWheel})

@@ -18,7 +18,7 @@ OP_BACKENDS: Dict[str, Tuple[str, ...]] = {
     "swiglu, geglu": ("triton", "reference"),
     "layer_norm_fn, rms_norm_fn": ("triton", "cuda", "reference"),
     "rmsnorm_gated_fn": ("triton", "reference"),
-    "linear_cross_entropy": ("triton", "reference"),
+    "linear_cross_entropy, cce_linear_cross_entropy": ("cuda", "triton", "reference"),
     "flash_contrastive_loss, cal_flash_loss": ("triton", "reference"),
     "fused_dense_func, fused_mlp_func": ("cuda", "triton", "reference"),
     "selective_scan_fn, mamba_inner_fn": ("cuda", "triton", "reference"),

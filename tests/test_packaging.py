@@ -78,6 +78,32 @@ def test_pure_wheel_has_every_module_and_no_library(tmp_path, monkeypatch):
     assert "License :: OSI Approved :: Apache Software License" in metadata
 
 
+def test_cuda_wheel_carries_the_library_with_a_platform_tag(tmp_path, monkeypatch):
+    """The packaging of a CUDA build, with a stand-in for csrc/build_cuda.py (nvcc takes minutes;
+    tests/test_cuda_build.py checks the real library): the library lands in the wheel's root, the
+    wheel is tagged py3-none-<platform>, and PADDLENLP_FUSED_BUILD_CUDA=1 fails without nvcc."""
+    pytest.importorskip("wheel")
+    src = _copy_source(tmp_path / "src")
+    stand_in = src / "csrc" / "build_cuda.py"
+    stand_in.write_text("import os, pathlib\n"
+                        "def find_nvcc():\n    return os.environ.get('STAND_IN_NVCC')\n"
+                        "def build(out_dir):\n    out_dir.mkdir(parents=True, exist_ok=True)\n"
+                        "    (out_dir / 'libpaddlenlp_fused_cuda.so').write_bytes(b'stand-in')\n")
+    monkeypatch.setenv("PADDLENLP_FUSED_BUILD_CUDA", "1")
+    command = [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q",
+               "-w", str(tmp_path / "dist")]
+    failed = subprocess.run(command, cwd=src, capture_output=True, text=True)
+    assert failed.returncode != 0 and "nvcc was not found" in failed.stdout + failed.stderr
+    monkeypatch.setenv("STAND_IN_NVCC", "nvcc")
+    subprocess.run(command, check=True, cwd=src)
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    assert re.search(r"-py3-none-linux_\w+\.whl$", wheel.name), wheel.name
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "paddlenlp_fused/_lib/libpaddlenlp_fused_cuda.so" in names, [n for n in names if ".so" in n]
+    assert "Root-Is-Purelib: false" in zipfile.ZipFile(wheel).read(
+        next(n for n in names if n.endswith(".dist-info/WHEEL"))).decode()
+
+
 def test_sdist_carries_the_cuda_sources(tmp_path):
     src = _copy_source(tmp_path / "src")
     subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "dist")], check=True, cwd=src,
