@@ -414,3 +414,79 @@ def test_gradients_accumulate_when_one_tensor_is_several_inputs(backend):
     plain = grads(lambda x, w, b: paddle.matmul(paddle.nn.functional.relu(paddle.matmul(x, w) + b), w) + b)
     for name, a, r in zip(("out", "dx", "dweight", "dbias"), ours, plain):
         assert_close(name, to64(a), to64(r), "float32")
+
+
+class _FakeCublasLt:
+    """The cuBLASLt launchers' interface (kernels/cuda/fused_dense.py) computed by the Triton GEMM in
+    the interpreter, recording each call's kind and heuristic index: runs the CUDA kernel set's
+    orchestration on the CPU."""
+
+    def __init__(self):
+        self.calls = []
+
+    @staticmethod
+    def aux_shape(activation, M, N):
+        return (M, -(-N // 8) * 8), None
+
+    def linear_act_fwd(self, x, w, out, workspace, bias=None, activation="none", aux=None,
+                       weight_transposed=False, heuristic=0):
+        assert aux is None or aux.shape[1] == out.shape[1]  # the tests' widths are multiples of 8
+        self.calls.append(("dgrad" if weight_transposed else "fwd", activation, aux is not None, heuristic))
+        _gemm(x, w, out, bias=bias, activation=activation, pre=aux, trans_b=weight_transposed)
+
+    def linear_wgrad(self, x, dout, dweight, workspace, dbias=None, heuristic=0):
+        self.calls.append(("wgrad_bgrad" if dbias is not None else "wgrad", heuristic))
+        _gemm(x, dout, dweight, dbias=dbias, trans_a=True)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    lt = _FakeCublasLt()
+
+    class FakeCudaKernels(fused_dense_ops._CudaKernels):
+        def __init__(self, heuristic, dtype):
+            super().__init__(heuristic, dtype)
+            self.k = lt
+
+        def workspace(self, like):
+            return None
+
+    monkeypatch.setitem(fused_dense_ops._KERNELS, "triton", FakeCudaKernels)
+    return lt
+
+
+@pytest.mark.parametrize("fwd_gelu,bgrad", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("activation", ["gelu_approx", "swiglu"])
+def test_cuda_kernel_set_orchestration(fake_cuda, monkeypatch, activation, fwd_gelu, bgrad):
+    """The CUDA backend's sequence (kernel set ``_CudaKernels``) for each choice of the tuning
+    module: values and gradients against float64 and the plain bf16 composition, bit-identical
+    across checkpoint levels, the bias gradients from the epilogue or the Triton passes as chosen,
+    and each GEMM's heuristic index read from the tuning table."""
+    from paddlenlp_fused.kernels.cuda import fused_dense_tuning as tuning
+
+    monkeypatch.setattr(tuning, "FWD_GELU_EPILOGUE", fwd_gelu)
+    monkeypatch.setattr(tuning, "BGRAD_EPILOGUE", bgrad)
+    M, D, H = 21, 16, 24
+    W = 2 * H if activation in GATED else H
+    monkeypatch.setattr(tuning, "HEURISTIC", {("dgrad", "bfloat16", M, D, W): 5, ("wgrad", "bfloat16", H, 12, M): 3})
+    x = randn((3, 7, D), "bfloat16", requires_grad=True)
+    params = _mlp_params(activation, "bfloat16", D=D, H=H)
+    dy = randn((3, 7, 12), "bfloat16")
+    results = []
+    for level in (0, 1, 2):
+        fake_cuda.calls.clear()
+        results.append(_run_mlp(x, params, dy, activation=activation, checkpoint_lvl=level, backend="triton"))
+        calls = list(fake_cuda.calls)
+        gelu_in_gemm = fwd_gelu and activation == "gelu_approx"
+        assert calls[0] == ("fwd", "gelu_approx" if gelu_in_gemm else "none", gelu_in_gemm, 0)
+        assert ("dgrad", "none", False, 5) in calls  # dx = dpre @ W1^T: the table's index
+        wgrads = [c for c in calls if c[0].startswith("wgrad")]
+        assert wgrads == [("wgrad_bgrad", 0) if bgrad else ("wgrad", 3), ("wgrad_bgrad", 0) if bgrad else ("wgrad", 0)]
+    _check_against_float64(results[0], x, *params, activation, dy, "bfloat16")
+    for level in (1, 2):
+        for name, a, b in zip(NAMES, results[0], results[level]):
+            np.testing.assert_array_equal(to64(a), to64(b), err_msg=f"{name} at level {level} vs 0")
+    again = _run_mlp(x, params, dy, activation=activation, heuristic=6, backend="triton")
+    assert {c[-1] for c in fake_cuda.calls[-6:]} == {6}  # an explicit index applies to every GEMM
+    for name, a, b in zip(NAMES, results[0], again):
+        np.testing.assert_array_equal(to64(a), to64(b), err_msg=name)
