@@ -133,6 +133,7 @@ def test_small_case_for_sanitizer(provider):
     assert all(np.isfinite(provider.to_numpy(t)).all() for ts in tensors for t in ts)
 
 
+@pytest.mark.xdist_group("huge")
 def test_offsets_past_2_31_elements(provider):
     """One tensor of 2^31 + 5 elements: 64-bit offsets; head and tail checked against float64."""
     n = 2**31 + 5

@@ -184,6 +184,7 @@ def test_conv_without_bias_or_activation(provider, backend):
         assert_close(name, provider.to_numpy(grads[name]), ref_grads[name], "float32")
 
 
+@pytest.mark.xdist_group("huge")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_conv_seqlen_65544_and_past_2_31_elements(provider, backend):
     """x [2, 16384, 65544] bf16 (2^31 + 2^18 elements, seqlen past 32768): the last batch's last dims

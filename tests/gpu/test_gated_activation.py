@@ -47,6 +47,7 @@ def test_fwd_bwd_match_float64(provider, shape, dtype, activation):
     assert_close("dx", provider.to_numpy(dx), ref_dx, dtype)
 
 
+@pytest.mark.xdist_group("huge")
 def test_rows_past_2_31_elements(provider):
     """x has 2^31 + 2H elements: 64-bit row offsets."""
     H = 16384

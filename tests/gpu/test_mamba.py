@@ -164,6 +164,7 @@ def test_scan_seqlen_32768(provider):
     _each_backend(provider, t, dout, check)
 
 
+@pytest.mark.xdist_group("huge")
 def test_scan_past_2_31_elements(provider):
     """u, delta, z, out [2, 16384, 65537] bf16: 2^31 + 32768 elements each. The last batch's last dims
     live past 2^31; they are checked against float64 (forward and backward)."""

@@ -233,6 +233,7 @@ def test_seqlen_32768(provider):
     assert_close("final_states", provider.to_numpy(buf["final_states"]), final64.cpu().numpy(), "bfloat16")
 
 
+@pytest.mark.xdist_group("huge")
 def test_past_2_31_elements(provider):
     """x [1, 32768, 520, 128] bf16 has more than 2^31 elements (states [1, 128, 520, 128, 128] fp32,
     4.4 GB): 64-bit offsets; the last head (independent of the others) is checked against float64."""

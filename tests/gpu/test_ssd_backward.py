@@ -235,6 +235,7 @@ def test_benchmark_layout_bf16(provider, states_in_x_dtype):
              states_in_x_dtype=states_in_x_dtype)
 
 
+@pytest.mark.xdist_group("huge")
 def test_offsets_past_2_31(provider):
     """x has more than 2^31 elements: the last chunk's gradients (which depend only on that chunk and
     the state entering it, with no final-state gradient) against float64 on that chunk alone."""

@@ -98,6 +98,7 @@ def test_mamba2_options(provider, dtype):
                     dt_limit=(0.1, 0.5), state_dtype="float32")
 
 
+@pytest.mark.xdist_group("huge")
 def test_state_past_2_31_elements(provider):
     """A bf16 state of 2049 * 64 * 64 * 256 > 2^31 elements: the last batch rows are right."""
     batch, nheads, headdim, dstate = 2049, 64, 64, 256
