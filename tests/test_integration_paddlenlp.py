@@ -474,3 +474,40 @@ def test_enable_keeps_a_real_packages_other_submodules(tmp_path, monkeypatch):
         paddlenlp_shims.disable()
         for name in [n for n in sys.modules if n.startswith("paddlenlp_kernel")]:
             del sys.modules[name]  # the real test package's modules, imported through the shims
+
+
+_ORDER_SCRIPT = """
+import sys
+from paddlenlp_fused.integrations import disable, enable
+order = sys.argv[1]
+if order == "import_first":
+    from paddlenlp.transformers.mamba import modeling
+    own = (modeling.is_fast_path_available, modeling.selective_scan_fn, modeling.mamba_inner_fn)
+    enable()
+else:
+    enable()
+    assert "paddlenlp" not in sys.modules and "paddlenlp_fused.ops.mamba" not in sys.modules, sorted(sys.modules)
+    from paddlenlp.transformers.mamba import modeling
+    own = None
+from paddlenlp_fused.ops import mamba as ours
+assert modeling.is_fast_path_available and modeling.selective_scan_fn is ours.selective_scan_fn
+assert modeling.mamba_inner_fn is ours.mamba_inner_fn
+disable()
+assert not modeling.is_fast_path_available
+assert modeling.selective_scan_fn is None and modeling.mamba_inner_fn is None and modeling.causal_conv1d_fn is None
+if own is not None:
+    assert (modeling.is_fast_path_available, modeling.selective_scan_fn, modeling.mamba_inner_fn) == own
+assert not any(name.split(".")[0] in ("mamba_ssm_paddle", "paddlenlp_kernel") for name in sys.modules)
+from paddlenlp.transformers.jamba import modeling as jamba  # imported after disable(): its own bindings
+assert not jamba.is_fast_path_available and jamba.selective_scan_fn is None
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("order", ["enable_first", "import_first"])
+def test_enable_is_lazy_and_disable_exact_in_both_orders(order):
+    """enable() before PaddleNLP is imported imports nothing and re-binds PaddleNLP's Mamba names when it
+    is imported; disable() puts back what PaddleNLP binds of its own (None, fast path off), whichever came
+    first. Fresh interpreters: PaddleNLP's modules must not be imported yet."""
+    out = subprocess.run([sys.executable, "-c", _ORDER_SCRIPT, order], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -24,15 +24,22 @@ the shim packages search its directories, so its other submodules, e.g.
 ``causal_conv1d_update`` as they are (same signatures, Paddle ``[in, out]`` weights with
 ``is_paddle_linear=True``); ``mamba_chunk_scan_combined`` / ``mamba_split_conv1d_scan_combined`` also
 under ``mamba_ssm_paddle.ops.triton.ssd_combined`` and ``paddlenlp_kernel.triton.mamba.ssd_combined``;
-and the adapters below for the cut cross-entropy and Inf-CL signatures. The PaddleNLP modeling modules
-that bound the Mamba names at import (``paddlenlp.transformers.mamba.modeling``, ``jamba.modeling``) are
-imported and re-bound (``is_fast_path_available = True``), and restored by ``disable()``. Each op picks
-its backend as usual (Triton / CUDA on the GPU, the reference on CPU, Triton under TRITON_INTERPRET=1).
+and the adapters below for the cut cross-entropy and Inf-CL signatures. Nothing is imported by
+``enable()`` itself: the shim modules resolve their functions on first access, and PaddleNLP is not
+imported. The PaddleNLP modeling modules that bind the Mamba names at import
+(``paddlenlp.transformers.mamba.modeling``, ``jamba.modeling``) are re-bound to ours
+(``is_fast_path_available = True``): at once if already imported, else by an import hook
+(``sys.meta_path``) right after they are imported, which runs their own import code with the shims
+withdrawn so that what they bind of their own is known. ``disable()`` puts those bindings and the
+``sys.modules`` entries back, in either order of import. Each op picks its backend as usual (Triton /
+CUDA on the GPU, the reference on CPU, Triton under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.abc
 import importlib.machinery
 import sys
 import types
@@ -43,7 +50,8 @@ _MAMBA_NAMES = ("selective_state_update", "selective_scan_fn", "causal_conv1d_fn
                 "mamba_inner_fn")
 _CONSUMERS = ("paddlenlp.transformers.mamba.modeling", "paddlenlp.transformers.jamba.modeling")
 
-_saved_modules: Dict[str, object] = {}
+_saved_modules: Dict[str, object] = {}  # sys.modules entries the shims replaced (_MISSING: none)
+_installed: Dict[str, types.ModuleType] = {}  # the shim modules, by name
 _saved_consumers: Dict[str, Dict[str, object]] = {}
 
 
@@ -87,24 +95,42 @@ def cal_inf_loss(q, k, labels=None, scale=None, head_dim=256):
     return cal_flash_loss(q, k, labels, scale, head_dim).mean()
 
 
-def _modules():
-    """{module name: {attribute: value}} of every shim module (packages have ``__path__``)."""
-    from ..ops import causal_conv1d, mamba, mamba2, ssd
+_SSD_NAMES = {"mamba_chunk_scan_combined": ("paddlenlp_fused.ops.ssd", "mamba_chunk_scan_combined"),
+              "mamba_split_conv1d_scan_combined": ("paddlenlp_fused.ops.mamba2", "mamba_split_conv1d_scan_combined")}
+# {shim module: {attribute: (our module, its attribute)}}; resolved on first access
+_CONTENTS = {
+    "paddlenlp_kernel.triton.cut_cross_entropy": {"linear_cross_entropy": (__name__, "linear_cross_entropy")},
+    "paddlenlp_kernel.triton.inf_cl": {"cal_flash_loss": (__name__, "cal_flash_loss"),
+                                       "cal_inf_loss": (__name__, "cal_inf_loss")},
+    "paddlenlp_kernel.triton.mamba.ssd_combined": _SSD_NAMES,
+    "mamba_ssm_paddle.ops.selective_scan_interface": {
+        "selective_scan_fn": ("paddlenlp_fused.ops.mamba", "selective_scan_fn"),
+        "mamba_inner_fn": ("paddlenlp_fused.ops.mamba", "mamba_inner_fn")},
+    "mamba_ssm_paddle.ops.triton.selective_state_update": {
+        "selective_state_update": ("paddlenlp_fused.ops.mamba", "selective_state_update")},
+    "mamba_ssm_paddle.ops.causal_conv1d_interface": {
+        "causal_conv1d_fn": ("paddlenlp_fused.ops.causal_conv1d", "causal_conv1d_fn"),
+        "causal_conv1d_update": ("paddlenlp_fused.ops.causal_conv1d", "causal_conv1d_update")},
+    "mamba_ssm_paddle.ops.triton.ssd_combined": _SSD_NAMES,
+}
 
-    ssd_names = {"mamba_chunk_scan_combined": ssd.mamba_chunk_scan_combined,
-                 "mamba_split_conv1d_scan_combined": mamba2.mamba_split_conv1d_scan_combined}
-    return {
-        "paddlenlp_kernel.triton.cut_cross_entropy": {"linear_cross_entropy": linear_cross_entropy},
-        "paddlenlp_kernel.triton.inf_cl": {"cal_flash_loss": cal_flash_loss, "cal_inf_loss": cal_inf_loss},
-        "paddlenlp_kernel.triton.mamba.ssd_combined": ssd_names,
-        "mamba_ssm_paddle.ops.selective_scan_interface": {"selective_scan_fn": mamba.selective_scan_fn,
-                                                          "mamba_inner_fn": mamba.mamba_inner_fn},
-        "mamba_ssm_paddle.ops.triton.selective_state_update": {"selective_state_update":
-                                                               mamba.selective_state_update},
-        "mamba_ssm_paddle.ops.causal_conv1d_interface": {"causal_conv1d_fn": causal_conv1d.causal_conv1d_fn,
-                                                         "causal_conv1d_update": causal_conv1d.causal_conv1d_update},
-        "mamba_ssm_paddle.ops.triton.ssd_combined": ssd_names,
-    }
+
+def _resolve(where):
+    module, attr = where
+    return getattr(importlib.import_module(module), attr)
+
+
+def _shim_module(name: str, contents: dict) -> types.ModuleType:
+    module = types.ModuleType(name, f"paddlenlp_fused shim for {name} (paddlenlp_fused.integrations.enable)")
+
+    def __getattr__(attr):  # PEP 562: our ops load on first use, not at enable()
+        if attr not in contents:
+            raise AttributeError(f"module {name!r} has no attribute {attr!r}")
+        value = module.__dict__[attr] = _resolve(contents[attr])
+        return value
+
+    module.__getattr__ = __getattr__
+    return module
 
 
 def _with_parents(names) -> List[str]:
@@ -133,38 +159,104 @@ def is_enabled() -> bool:
     return bool(_saved_modules)
 
 
+def _patch_consumer(module) -> None:
+    """Keep ``module``'s own Mamba bindings and bind ours (fast path on)."""
+    _saved_consumers[module.__name__] = {key: module.__dict__.get(key, _MISSING)
+                                         for key in _MAMBA_NAMES + ("is_fast_path_available",)}
+    ours = {key: _resolve(where) for contents in _CONTENTS.values() for key, where in contents.items()
+            if key in _MAMBA_NAMES}
+    module.__dict__.update(ours, is_fast_path_available=True)
+
+
+@contextlib.contextmanager
+def _shims_withdrawn():
+    """sys.modules as it would be without the shims; afterwards the shims again, and whatever real
+    module got imported under a shimmed name meanwhile is what ``disable()`` puts back."""
+    for name in reversed(list(_installed)):
+        previous = _saved_modules[name]
+        if previous is _MISSING:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = previous
+    try:
+        yield
+    finally:
+        for name, module in _installed.items():
+            _saved_modules[name] = sys.modules.get(name, _MISSING)
+            sys.modules[name] = module
+            parent, _, child = name.rpartition(".")
+            if parent:
+                setattr(sys.modules[parent], child, module)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """A consumer's own loader, run with the shims withdrawn, then ``_patch_consumer``."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        with _shims_withdrawn():
+            self.loader.exec_module(module)
+        if is_enabled():
+            _patch_consumer(module)
+
+    def __getattr__(self, attr):  # get_source, get_code... of the real loader
+        return getattr(self.loader, attr)
+
+
+class _ConsumerFinder(importlib.abc.MetaPathFinder):
+    """Finds the consumer modules through the other finders and wraps their loader."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _CONSUMERS:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+_FINDER = _ConsumerFinder()
+
+
 def enable() -> List[str]:
-    """Install the shim modules and re-bind PaddleNLP's Mamba / Jamba fast-path names; returns the
-    installed module names. Calling it again while enabled changes nothing."""
+    """Install the shim modules and re-bind PaddleNLP's Mamba / Jamba fast-path names (now, or when
+    those modules are imported); returns the installed module names. Imports neither PaddleNLP nor
+    our ops. Calling it again while enabled changes nothing."""
     if is_enabled():
         return list(_saved_modules)
-    contents = _modules()
-    names = _with_parents(contents)
+    names = _with_parents(_CONTENTS)
     for name in names:
         _saved_modules[name] = sys.modules.get(name, _MISSING)
         parent, _, child = name.rpartition(".")
-        module = types.ModuleType(name, f"paddlenlp_fused shim for {name} (paddlenlp_fused.integrations.enable)")
+        module = _shim_module(name, _CONTENTS.get(name, {}))
         # a package: its other submodules are looked up in the real package's directories, if any
         module.__path__ = _real_search_path(name, sys.modules[parent].__path__ if parent else None)
-        module.__dict__.update(contents.get(name, {}))
-        sys.modules[name] = module
+        sys.modules[name] = _installed[name] = module
         if parent:
             setattr(sys.modules[parent], child, module)
     for consumer in _CONSUMERS:
-        try:
-            module = importlib.import_module(consumer)
-        except ImportError:  # PaddleNLP absent, or a release without that model
-            continue
-        _saved_consumers[consumer] = {key: module.__dict__.get(key, _MISSING)
-                                      for key in _MAMBA_NAMES + ("is_fast_path_available",)}
-        shim = {key: getattr(sys.modules[mod], key) for mod in contents for key in _MAMBA_NAMES
-                if key in contents[mod]}
-        module.__dict__.update(shim, is_fast_path_available=True)
+        if consumer in sys.modules:
+            _patch_consumer(sys.modules[consumer])
+    sys.meta_path.insert(0, _FINDER)
     return names
 
 
 def disable() -> None:
-    """Undo ``enable()``: the previous ``sys.modules`` entries and PaddleNLP's own bindings come back."""
+    """Undo ``enable()``: the previous ``sys.modules`` entries and PaddleNLP's own bindings come back,
+    and consumers imported from now on bind their own."""
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
     for consumer, values in _saved_consumers.items():
         module = sys.modules.get(consumer)
         if module is None:
@@ -182,3 +274,4 @@ def disable() -> None:
         else:
             sys.modules[name] = previous
     _saved_modules.clear()
+    _installed.clear()
