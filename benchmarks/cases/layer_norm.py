@@ -6,8 +6,8 @@ torch.compile are optional rows: one that does not import or run is listed under
 
 Bytes, PERFORMANCE.md's floor: the forward reads x and writes y (2MN elements); fwd+bwd reads x
 twice, dy once and writes y and dx (5MN elements, 10 bytes each in bf16). Weights, mean/rstd and
-the backward's dweight partial sums (P x N fp32) are not counted. Also: a sweep of hidden sizes at
-constant M*N (TB/s per backend, ``sweep``).
+the backward's dweight partial sums (P x N fp32) are not counted. With ``run.py --sweeps``, also a
+sweep of hidden sizes at constant M*N (TB/s per backend, ``sweep``).
 
 Two timings of every row, both medians of ``bench_ms`` (L2 flushed before each call): ``*_ms`` calls
 the Python launchers eagerly, as ``common.bench_ms`` does everywhere (the headline); ``*_graph_ms``
@@ -187,7 +187,7 @@ def _peer_rows(provider, leaves, norm, dy, is_rms, ref_y, ref_dx, grad_bytes, sk
     return rows
 
 
-def run_norm(provider, quick: bool, is_rms: bool) -> dict:
+def run_norm(provider, quick: bool, is_rms: bool, sweep: bool = False) -> dict:
     M, N = (2048, 4096) if quick else CANONICAL
     esize = 2
     fwd_bytes, fwdbwd_bytes = 2 * M * N * esize, 5 * M * N * esize
@@ -225,9 +225,9 @@ def run_norm(provider, quick: bool, is_rms: bool) -> dict:
             if row.get(key):
                 row[key.replace("_ms", "_TBps")] = TBps(n_bytes, row[key])
 
-    sweep = []
+    sizes = []
     total = M * N
-    for n in SWEEP_N:
+    for n in SWEEP_N if sweep else ():
         m = max(1, total // n)
         x, w, b, dy = _inputs(provider, m, n, is_rms)
         entry = {"M": m, "N": n}
@@ -244,19 +244,19 @@ def run_norm(provider, quick: bool, is_rms: bool) -> dict:
         for key in [k for k in entry if k.endswith("_ms") and entry[k]]:
             n_bytes = (2 if "_fwd_" in key else 5) * m * n * esize
             entry[key.replace("_ms", "_TBps")] = TBps(n_bytes, entry[key])
-        sweep.append(entry)
+        sizes.append(entry)
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in entry.items()), flush=True)
         del x, w, b, dy, impls, leaves
 
     return {"shape": {"M": M, "N": N, "dtype": DTYPE, "weight": "weight" if is_rms else "weight+bias"},
             "bytes": {"fwd": fwd_bytes, "fwdbwd": fwdbwd_bytes,
                       "floor_fwdbwd_ms_at_4.25TBps": fwdbwd_bytes / 4.25e12 * 1e3},
-            "rows": rows, "skipped": skipped, "target": TARGETS[is_rms], "sweep": sweep,
+            "rows": rows, "skipped": skipped, "target": TARGETS[is_rms], "sweep": sizes,
             "timing": "*_ms: eager launcher calls (common.bench_ms); *_graph_ms: the same calls replayed as a "
                       "CUDA graph (no host launch cost); both medians with L2 flushed before each call",
             "peak_note": f"peak_GiB excludes dx, dweight(, dbias): {grad_bytes / GiB:.3f} GiB",
             "peer_versions": {top: peers.describe(top) for top in ("liger_kernel", "flash_attn", "mamba_ssm")}}
 
 
-def run(provider, quick: bool = False) -> dict:
-    return run_norm(provider, quick, is_rms=False)
+def run(provider, quick: bool = False, sweep: bool = False) -> dict:
+    return run_norm(provider, quick, is_rms=False, sweep=sweep)
