@@ -14,12 +14,13 @@ Ours run, on the launchers, the sequence ``fused_mlp_func`` runs on the CUDA bac
 
 Measured per shape: every GEMM of the sequence at cuBLASLt heuristic indices 0..7 (``per_gemm``);
 the floor (the six plain GEMMs at their best index, timed back to back); rows for each plan
-(FWD_GELU_EPILOGUE x BGRAD_EPILOGUE at the best index per GEMM), the committed tuning (what the op
-runs now), index 0 everywhere, Triton (gelu), torch eager and torch.compile of the composition, and
-checkpoint levels 0/1/2 of the fastest plan with the activation memory each keeps for backward
-(``saved_GiB``: allocated after the forward, less inputs and output; torch's the same way). Every
-row's output and gradients are checked against an fp32 reference. ``tuning`` holds the values to
-copy into fused_dense_tuning.py.
+(FWD_GELU_EPILOGUE x BGRAD_EPILOGUE at the best index per GEMM) at checkpoint levels 0/1/2 with the
+activation memory each keeps for backward (``saved_GiB``: allocated after the forward, less inputs
+and output; torch's the same way), the committed tuning (what the op runs now), index 0 everywhere,
+Triton (gelu), torch eager and torch.compile of the composition. Every row's output and gradients
+are checked against an fp32 reference, and each plan's levels 1 and 2 bit for bit against level 0
+(``checks``). fwd+bwd times are medians of ROUNDS rounds over all rows. ``tuning`` holds the values
+to copy into fused_dense_tuning.py.
 FLOPs: 6 GEMMs of 2*M*D*H' each (H' = the hidden width of each GEMM).
 """
 
@@ -34,7 +35,8 @@ from paddlenlp_fused.kernels.cuda import fused_dense_tuning as tuning
 from paddlenlp_fused.kernels.triton import fused_dense as tr
 from paddlenlp_fused.kernels.triton.gated_activation import gated_activation_bwd, gated_activation_fwd
 
-INDICES = range(8)
+INDICES = range(8)  # the cuBLASLt heuristic indices swept per GEMM
+ROUNDS = 3  # fwd+bwd timings per row, round-robin
 GRAD_NAMES = ("dx", "dweight1", "dbias1", "dweight2", "dbias2")
 
 
@@ -222,8 +224,9 @@ def _gemms(p: Problem):
 
 
 def _sweep(p: Problem):
-    """Per GEMM and kind: ms at each heuristic index, the best index; the floor (six plain GEMMs at
-    their best index, timed back to back, and the sum of their separate times)."""
+    """Per GEMM and kind: ms at each heuristic index, the best index; the floor: the sum of the six plain
+    GEMMs' separate times at their best index, and a function running them back to back (timed with
+    the rows)."""
     per_gemm, best, plain_best = {}, {}, []
     gemms = _gemms(p)
     for name, (M, N, K), kinds, launch in gemms:
@@ -241,8 +244,7 @@ def _sweep(p: Problem):
         for launch, kind, h, _ in plain_best:
             launch(kind, h)
 
-    floor_ms = bench_ms(floor)
-    return per_gemm, best, {"six_plain_gemms_ms": floor_ms, "sum_of_best_separately_ms": sum(v for *_, v in plain_best)}
+    return per_gemm, best, {"sum_of_best_separately_ms": sum(v for *_, v in plain_best)}, floor
 
 
 def _saved_GiB(provider, forward, output_bytes):
@@ -261,45 +263,53 @@ def _saved_GiB(provider, forward, output_bytes):
 def _case(provider, torch, F, M, D, H, gated, bias, quick):
     p = Problem(provider, torch, F, M, D, H, gated, bias)
     fwd_flops, fwdbwd_flops = p.flops()
-    per_gemm, best, floor = _sweep(p)
+    per_gemm, best, floor, floor_fn = _sweep(p)
+    rows, timed, skipped = [], [], {}
+    out_bytes = M * D * 2
 
-    def row(impl, fwd, fwdbwd, leaves=(), **extra):
+    def row(impl, fwd, fwdbwd, leaves=(), forward=None, **extra):
+        """A row: errors of one fwd+bwd, fwd time, peak memory, the activations ``forward`` keeps;
+        its fwd+bwd is timed later, in rounds over every row (``_time_in_rounds``)."""
         outs = fwdbwd()
         provider.synchronize()
         out_err, grad_err = p.rel_errs(outs)
         del outs
-        fwd_ms = bench_ms(fwd) if fwd is not None else None
-        fwdbwd_ms = bench_ms(fwdbwd)
-        r = {"impl": impl, "fwd_ms": fwd_ms, "fwdbwd_ms": fwdbwd_ms,
+        r = {"impl": impl, "fwd_ms": bench_ms(fwd) if fwd is not None else None,
              "peak_GiB": peak_GiB(provider, fwdbwd, exclude_bytes=p.grad_bytes, leaves=leaves),
-             "rel_err": out_err, "grad_rel_err": grad_err, "fwdbwd_TFLOPs": TFLOPs(fwdbwd_flops, fwdbwd_ms)}
-        if fwd_ms:
-            r["fwd_TFLOPs"] = TFLOPs(fwd_flops, fwd_ms)
+             "rel_err": out_err, "grad_rel_err": grad_err}
+        if r["fwd_ms"]:
+            r["fwd_TFLOPs"] = TFLOPs(fwd_flops, r["fwd_ms"])
+        if forward is not None:
+            r["saved_GiB"], r["fwd_peak_GiB"] = _saved_GiB(provider, forward, out_bytes)
         r.update(extra)
+        timed.append((r, fwdbwd))
         return r
 
     def tuned(kind, M_, N_, K_):
-        return best.get((kind, "bfloat16", M_, N_, K_), 0)
+        return best.get((kind, "bfloat16", M_, N_, K_), tuning.DEFAULT_HEURISTIC)
 
     def committed(kind, M_, N_, K_):
         return tuning.heuristic(kind, "bfloat16", M_, N_, K_)
 
-    rows = []
     flags = list(itertools.product((True, False), (True, False))) if bias and not gated else [(False, False)]
-    plans = {}
+    plans, identical = [], {}  # (fwd_gelu, bgrad, {level: row}); levels 1, 2 bit-equal to level 0
     for fwd_gelu, bgrad in flags:
-        name = f"paddlenlp_fused/cuda tuned (fwd_gelu_epilogue={fwd_gelu}, bgrad_epilogue={bgrad})"
-        plans[name] = (Plan(p, fwd_gelu, bgrad, tuned), fwd_gelu, bgrad)
-        plan = plans[name][0]
-        rows.append(row(name, lambda plan=plan: plan.forward(0), plan.fwdbwd))
-    correct = [r for r in rows if r["rel_err"] < 1e-2 and r["grad_rel_err"] < 1e-2]
-    fastest = min(correct or rows, key=lambda r: r["fwdbwd_ms"])
-    best_plan, best_fwd_gelu, best_bgrad = plans[fastest["impl"]]
+        plan, levels = Plan(p, fwd_gelu, bgrad, tuned), {}
+        first = plan.fwdbwd(0)
+        identical[f"fwd_gelu_epilogue={fwd_gelu}, bgrad_epilogue={bgrad}"] = all(
+            all(a is None or torch.equal(a, b) for a, b in zip(first, plan.fwdbwd(level))) for level in (1, 2))
+        del first
+        for level in (0, 1, 2):
+            levels[level] = row(f"paddlenlp_fused/cuda tuned (fwd_gelu_epilogue={fwd_gelu}, bgrad_epilogue={bgrad})"
+                                f" checkpoint_lvl {level}", (lambda plan=plan: plan.forward(0)) if level == 0 else None,
+                                lambda plan=plan, level=level: plan.fwdbwd(level),
+                                forward=lambda plan=plan, level=level: plan.forward(level))
+            rows.append(levels[level])
+        plans.append((fwd_gelu, bgrad, levels))
     policy = Plan(p, tuning.FWD_GELU_EPILOGUE, tuning.BGRAD_EPILOGUE, committed)
     rows.append(row("paddlenlp_fused/cuda policy as committed", lambda: policy.forward(0), policy.fwdbwd))
     index0 = Plan(p, tuning.FWD_GELU_EPILOGUE, tuning.BGRAD_EPILOGUE, lambda *a: 0)
     rows.append(row("paddlenlp_fused/cuda heuristic 0", lambda: index0.forward(0), index0.fwdbwd))
-    skipped = {}
     if quick and not gated:  # a smoke run: autotuning compiles 16 GEMM variants
         skipped["paddlenlp_fused/triton"] = "not run with --quick"
     elif not gated:
@@ -321,50 +331,55 @@ def _case(provider, torch, F, M, D, H, gated, bias, quick):
         with torch.no_grad():
             return forward(leaves)
 
-    out_bytes = M * D * 2
-    torch_saved, torch_peak = _saved_GiB(provider, lambda: p.torch_forward(leaves), out_bytes)
-    rows.append(row("torch", torch_fwd, torch_fwdbwd, leaves=params, saved_GiB=torch_saved, fwd_peak_GiB=torch_peak))
-    torch_ms = rows[-1]["fwdbwd_ms"]
+    torch_row = row("torch", torch_fwd, torch_fwdbwd, leaves=params, forward=lambda: p.torch_forward(leaves))
+    rows.append(torch_row)
     if quick:  # a smoke run: compiling takes longer than the rest of it
         skipped["torch.compile"] = "not run with --quick"
     else:
         compiled = torch.compile(p.torch_forward)
         optional_row(rows, skipped, "torch.compile", lambda: row("torch.compile", lambda: torch_fwd(compiled),
                                                                  lambda: torch_fwdbwd(compiled), leaves=params))
-    rows.append({"impl": "floor: six plain GEMMs, best index each", "fwdbwd_ms": floor["six_plain_gemms_ms"],
-                 "fwdbwd_TFLOPs": TFLOPs(fwdbwd_flops, floor["six_plain_gemms_ms"])})
+    floor_row = {"impl": "floor: six plain GEMMs, best index each", **floor}
+    timed.append((floor_row, floor_fn))
+    rows.append(floor_row)
 
-    # Levels of the fastest plan, and of the other forward (level 1 recomputes GEMM1 when its epilogue
-    # applied gelu, only the activation pass otherwise).
-    levels = {}
-    for name, (plan, fwd_gelu, bgrad) in plans.items():
-        if bgrad != best_bgrad:
-            continue
-        for level in (0, 1, 2):
-            saved, peak = _saved_GiB(provider, lambda: plan.forward(level), out_bytes)
-            r = row(f"paddlenlp_fused/cuda checkpoint_lvl {level} (fwd_gelu_epilogue={fwd_gelu}, "
-                    f"bgrad_epilogue={bgrad})", None, lambda: plan.fwdbwd(level), saved_GiB=saved, fwd_peak_GiB=peak)
-            rows.append(r)
-            if plan is best_plan:
-                levels[level] = r
+    _time_in_rounds(timed)
+    torch_ms = torch_row["fwdbwd_ms"]
     for r in rows:
         if r.get("fwdbwd_ms"):
+            r["fwdbwd_TFLOPs"] = TFLOPs(fwdbwd_flops, r["fwdbwd_ms"])
             r["vs_torch"] = r["fwdbwd_ms"] / torch_ms
+    correct = [t for t in plans if t[2][0]["rel_err"] < 1e-2 and t[2][0]["grad_rel_err"] < 1e-2]
+    fwd_gelu, bgrad, levels = min(correct or plans, key=lambda t: t[2][0]["fwdbwd_ms"])
     checks = {
+        "fastest_plan": levels[0]["impl"],
+        "levels_bit_identical": identical,
         "level0_vs_torch": levels[0]["fwdbwd_ms"] / torch_ms,
         "level0_target_vs_torch": 0.95 if gated else 0.97,
-        "floor_vs_torch": floor["six_plain_gemms_ms"] / torch_ms,
-        "level2_saved_vs_level0": levels[2]["saved_GiB"] / max(levels[0]["saved_GiB"], 1e-12),
-        "level2_time_vs_level0": levels[2]["fwdbwd_ms"] / levels[0]["fwdbwd_ms"],
+        "floor_vs_torch": floor_row["fwdbwd_ms"] / torch_ms,
         "level1_time_vs_level0": levels[1]["fwdbwd_ms"] / levels[0]["fwdbwd_ms"],
+        "level2_time_vs_level0": levels[2]["fwdbwd_ms"] / levels[0]["fwdbwd_ms"],
+        "level2_saved_vs_level0": levels[2]["saved_GiB"] / max(levels[0]["saved_GiB"], 1e-12),
     }
     checks["level0_met"] = checks["level0_vs_torch"] <= checks["level0_target_vs_torch"]
     checks["level2_met"] = checks["level2_saved_vs_level0"] <= 1 / 3 and checks["level2_time_vs_level0"] <= 1.15
     shape = {"M": M, "in": D, "hidden": H, "out": D, "activation": "swiglu" if gated else "gelu_approx",
              "bias": bias, "dtype": "bfloat16"}
-    return {"shape": shape, "flops": {"fwd": fwd_flops, "fwdbwd": fwdbwd_flops}, "rows": rows, "floor": floor,
+    return {"shape": shape, "flops": {"fwd": fwd_flops, "fwdbwd": fwdbwd_flops}, "rows": rows,
             "per_gemm": per_gemm, "checks": checks, "skipped": skipped,
-            "fastest_plan": {"FWD_GELU_EPILOGUE": best_fwd_gelu, "BGRAD_EPILOGUE": best_bgrad}}, best
+            "fastest_plan": {"FWD_GELU_EPILOGUE": fwd_gelu, "BGRAD_EPILOGUE": bgrad}}, best
+
+
+def _time_in_rounds(timed):
+    """fwd+bwd ms of every row: the median of ROUNDS do_bench medians taken round-robin over the rows,
+    so that a drift of the GPU's clocks during the run falls on every row alike."""
+    samples = [[] for _ in timed]
+    for _ in range(ROUNDS):
+        for (r, fn), got in zip(timed, samples):
+            got.append(bench_ms(fn))
+    for (r, _), got in zip(timed, samples):
+        r["fwdbwd_ms"] = sorted(got)[len(got) // 2]
+        r["fwdbwd_ms_rounds"] = got
 
 
 def _triton_row(p: Problem, row):
