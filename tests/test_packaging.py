@@ -149,3 +149,24 @@ def test_check_table_matches_the_ops_dispatch(ops_key):
         sets = _implemented_sets(module)
         assert sets, f"{module.__name__} passes no implemented= to resolve_backend"
         assert set(check.OP_BACKENDS[ops_key]) in sets, (name, sets)
+
+
+def test_doc_links_stay_inside_the_repository():
+    """Every relative link of README.md and docs/ names a file of this repository (a published copy
+    has no ../shared)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)", page.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path = (page.parent / target).resolve()
+            assert ROOT in path.parents or path == ROOT, f"{page.name} links outside the repository: {target}"
+            assert path.exists(), f"{page.name} links to a missing file: {target}"
+
+
+def test_performance_page_has_the_generated_table():
+    text = (ROOT / "docs" / "performance.md").read_text()
+    start, end = text.index("<!-- results:start -->"), text.index("<!-- results:end -->")
+    table = text[start:end]
+    for result in sorted((ROOT / "benchmarks" / "results").glob("*.json")):
+        assert f"| {result.stem} |" in table, f"{result.name} is not in docs/performance.md: python benchmarks/run.py --table"
