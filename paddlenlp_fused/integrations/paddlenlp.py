@@ -47,7 +47,7 @@ the parameters marked ``sequence_parallel`` (norm weights, row biases) are parti
 as with PaddleNLP's own layers: all-reduce them after backward (PaddleNLP's trainer registers hooks
 for it; ``layers.tensor_parallel.allreduce_sequence_parallel_grads(model)`` does it by hand).
 
-Not swapped, and reported as such: see ``NOT_SWAPPED``.
+Not swapped, and reported as such where it applies: the ``*_NOTE`` texts below.
 
 PaddleNLP is imported inside ``swap_fused_layers``: ``paddlenlp_fused`` itself never needs it.
 """
@@ -71,14 +71,12 @@ from ..ops.fused_dense import fused_mlp_func
 from ..ops.linear_cross_entropy import linear_cross_entropy
 from .paddlenlp_parallel import VocabParallelEmbedding, fleet_classes, parallel_linear, parallel_logits, sequence_chunk
 
-NOT_SWAPPED = (
-    "lm_head with labels: the model returns logits=None (the loss is computed without materialising them)",
-    "Mamba lm_head: MambaForCausalLM computes its loss inline in forward (no criterion sublayer to swap)",
-    "sep / context parallel (sep_parallel_degree, context_parallel_degree > 1): the LM head and criterion are kept",
-    "LLaMA with use_fused_linear_cross_entropy: PaddleNLP calls paddlenlp_kernel's loss itself "
-    "(paddlenlp_fused.integrations.enable() makes that import resolve to our op)",
-    "attention core (softmax(QK^T)V, rotary embedding) and GPT's position embedding stay PaddleNLP's",
-)
+# what the swap leaves to PaddleNLP, each reported only for a model it applies to (sep / context
+# parallelism and use_fused_linear_cross_entropy are reported per layer, among the left-alone ones)
+LOGITS_NOTE = "lm_head with labels: the model returns logits=None (the loss is computed without materialising them)"
+MAMBA_HEAD_NOTE = ("Mamba lm_head: MambaForCausalLM computes its loss inline in forward (no criterion sublayer to "
+                   "swap); linear_cross_entropy on the backbone's hidden states computes it without logits")
+ATTENTION_NOTE = "attention (softmax(QK^T)V, rotary or position embeddings) stays PaddleNLP's"
 
 
 SEQUENCE_PARALLEL_NOTE = (
@@ -90,12 +88,13 @@ SEQUENCE_PARALLEL_NOTE = (
 @dataclasses.dataclass
 class SwapReport:
     """``swapped``: {kind: count}; ``swapped_paths``: (sublayer path, old class -> new class);
-    ``skipped``: (sublayer path, why it was left alone); ``notes``: what the swap never covers."""
+    ``skipped``: (sublayer path, why it was left alone); ``notes``: what the swap does not cover in this
+    model."""
 
     swapped: Dict[str, int] = dataclasses.field(default_factory=dict)
     swapped_paths: List[Tuple[str, str]] = dataclasses.field(default_factory=list)
     skipped: List[Tuple[str, str]] = dataclasses.field(default_factory=list)
-    notes: List[str] = dataclasses.field(default_factory=lambda: list(NOT_SWAPPED))
+    notes: List[str] = dataclasses.field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -479,13 +478,15 @@ def _classes():
     found = {"rms_norm": (llama.LlamaRMSNorm,), "layer_norm": (gpt.GPTLayerNorm,), "llama_mlp": (llama.LlamaMLP,),
              "gpt_mlp": (gpt.GPTDecoderLayer,), "mamba_mixer": (), "lm_head": (llama.LlamaLMHead, gpt.GPTLMHead),
              "criterion": (llama.LlamaPretrainingCriterion, gpt.GPTPretrainingCriterion),
-             "parallel_linear": column + row, "vocab_parallel_embedding": embedding}
+             "parallel_linear": column + row, "vocab_parallel_embedding": embedding,
+             "attention": (llama.LlamaAttention, gpt.MultiHeadAttention), "mamba_lm": ()}
     try:  # the Mamba model arrived in PaddleNLP 3.0.0b4
         from paddlenlp.transformers.mamba import modeling as mamba
     except ImportError:
         return found
     found["rms_norm"] += (mamba.MambaRMSNorm,)
     found["mamba_mixer"] = (mamba.MambaMixer,)
+    found["mamba_lm"] = (mamba.MambaForCausalLM,)
     return found
 
 
@@ -564,6 +565,13 @@ def swap_fused_layers(model: nn.Layer, norms: bool = True, mlp: bool = True, mam
     _swap_sublayers(model, dict(kinds, **{kind: () for kind in parallel}), options, backend, report, counts,
                     replaced)
     report.swapped = dict(counts)
+    present = [layer for _, layer in model.named_sublayers(include_self=True)]
+    if counts["lm_head"]:
+        report.notes.append(LOGITS_NOTE)
+    if any(isinstance(layer, kinds["mamba_lm"]) for layer in present):
+        report.notes.append(MAMBA_HEAD_NOTE)
+    if any(isinstance(layer, kinds["attention"]) for layer in present):
+        report.notes.append(ATTENTION_NOTE)
     if any(getattr(param, "sequence_parallel", False) for param in model.parameters()):
         report.notes.append(SEQUENCE_PARALLEL_NOTE)
     return report

@@ -5,11 +5,13 @@ the outputs back to the input dtype: Paddle's CPU build lacks bfloat16 kernels f
 Autograd goes through the casts, so the references are differentiable in every input.
 
 * ``selective_scan_ref``: the recurrence ``h_t = exp(dt_t A) h_{t-1} + dt_t B_t u_t``,
-  ``y_t = C_t h_t + D u_t`` (times ``silu(z_t)``), evaluated chunk by chunk: inside a chunk of K
-  steps the states are ``h_t = sum_{s<=t} exp(S_t - S_s) dt_s B_s u_s + exp(S_t) h_start`` with
-  ``S`` the running sum of ``dt A`` (memory ``[b, d, n, K, K]`` per chunk); ``chunk_size=1`` is the
-  plain sequential loop. Complex A (mamba_ssm's convention: input-dependent B/C given as real
-  ``[..., n, 2 l]`` with (real, imag) pairs, output ``2 Re(C h)``) runs sequentially.
+  ``y_t = C_t h_t + D u_t`` (times ``silu(z_t)``), step by step: the decays and inputs of every step
+  are computed at once (``[b, d, n, l]``), the loop only multiplies and adds, and ``y`` is one product
+  with C over the stacked states. On the CPU (fwd + bwd at [8, 128, 16, 32] and [2, 256, 16, 512]) this
+  was 2.5-9x faster than chunk by chunk (``[b, d, n, K, K]`` decay weights, K 4 and 16) and 5x faster
+  than a log-depth doubling scan. Complex A (mamba_ssm's convention:
+  input-dependent B/C given as real ``[..., n, 2 l]`` with (real, imag) pairs, output ``2 Re(C h)``)
+  runs the same loop in complex arithmetic.
 * ``causal_conv1d_ref``: depthwise causal conv as a sum of ``width`` shifted slices of the input
   padded on the left with ``initial_states`` (zeros by default), masked where ``seq_idx`` changes.
 * ``causal_conv1d_update_ref`` / ``selective_state_update_ref``: decoding steps, state in place.
@@ -43,7 +45,7 @@ def _dt(delta, delta_bias, delta_softplus, cdt):
     return F.softplus(dt) if delta_softplus else dt
 
 
-def _expand_bc(t, dim: int, seqlen: int, cdt, complex_dtype=None):
+def _expand_bc(t, dim: int, cdt, complex_dtype=None):
     """B or C as a tensor broadcastable to [b, d, n, l]."""
     if t.ndim == 2:  # fixed [d, n]
         t = t.astype(complex_dtype) if complex_dtype and _is_complex(t) else t.astype(cdt)
@@ -60,24 +62,22 @@ def _expand_bc(t, dim: int, seqlen: int, cdt, complex_dtype=None):
 
 
 def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                       return_last_state=False, chunk_size: int = 16):
+                       return_last_state=False):
     """Selective scan (see ``selective_scan_fn``). u, delta, z [b, d, l]; A [d, n]; B, C [d, n],
     [b, n, l] or [b, g, n, l]; D, delta_bias [d]. Returns out [b, d, l] in u's dtype, and with
     ``return_last_state`` also the final state [b, d, n] (float32, complex for complex A)."""
     cdt = _compute_dtype(u, delta, A, B, C)
-    batch, dim, seqlen = u.shape
+    dim = u.shape[1]
     complex_dtype = ("complex128" if cdt == "float64" else "complex64") if _is_complex(A) else None
     uf = u.astype(cdt)
     dt = _dt(delta, delta_bias, delta_softplus, cdt)
-    Af = A.astype(complex_dtype or cdt)
-    Bx = _expand_bc(B, dim, seqlen, cdt, complex_dtype)
-    Cx = _expand_bc(C, dim, seqlen, cdt, complex_dtype)
+    Bx = _expand_bc(B, dim, cdt, complex_dtype)
+    Cx = _expand_bc(C, dim, cdt, complex_dtype)
     if complex_dtype:
-        ys, h = _scan_sequential(uf.astype(complex_dtype), dt.astype(complex_dtype), Af, Bx, Cx, seqlen)
+        ys, h = _scan(uf.astype(complex_dtype), dt.astype(complex_dtype), A.astype(complex_dtype), Bx, Cx)
         y = paddle.real(ys) * 2
     else:
-        ys, h = _scan_chunked(uf, dt, Af, Bx, Cx, seqlen, max(1, int(chunk_size)))
-        y = ys
+        y, h = _scan(uf, dt, A.astype(cdt), Bx, Cx)
     if D is not None:
         y = y + D.astype(cdt)[:, None] * uf
     if z is not None:
@@ -86,39 +86,19 @@ def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta
     return (out, h.detach()) if return_last_state else out
 
 
-def _bc_slice(x, start: int, stop: int):
-    return x if x.shape[-1] == 1 else x[..., start:stop]
-
-
-def _scan_sequential(u, dt, A, Bx, Cx, seqlen):
-    h = None
-    ys = []
-    for t in range(seqlen):
-        dt_t = dt[:, :, t, None]
-        inp = (dt_t * u[:, :, t, None]) * _bc_slice(Bx, t, t + 1)[..., 0]
-        h = inp if h is None else paddle.exp(dt_t * A) * h + inp
-        ys.append((h * _bc_slice(Cx, t, t + 1)[..., 0]).sum(axis=-1))
-    return paddle.stack(ys, axis=-1), h
-
-
-def _scan_chunked(u, dt, A, Bx, Cx, seqlen, K):
-    batch, dim = u.shape[:2]
-    h = paddle.zeros([batch, dim, A.shape[1]], dtype=u.dtype)
-    ys = []
-    for start in range(0, seqlen, K):
-        stop = min(start + K, seqlen)
-        k = stop - start
-        dt_c = dt[:, :, None, start:stop]                            # [b, d, 1, k]
-        log_decay = paddle.cumsum(dt_c * A[None, :, :, None], axis=-1)  # S_t, [b, d, n, k]
-        inp = dt_c * u[:, :, None, start:stop] * _bc_slice(Bx, start, stop)
-        # exp(S_t - S_s) for s <= t; the upper triangle is masked before exp (it may overflow)
-        diff = log_decay[..., :, None] - log_decay[..., None, :]
-        causal = paddle.tril(paddle.ones([k, k], dtype="bool"))
-        weights = paddle.exp(paddle.where(causal, diff, paddle.full_like(diff, float("-inf"))))
-        hs = paddle.matmul(weights, inp[..., None])[..., 0] + paddle.exp(log_decay) * h[..., None]
-        ys.append((hs * _bc_slice(Cx, start, stop)).sum(axis=2))
-        h = hs[..., -1]
-    return paddle.concat(ys, axis=-1), h
+def _scan(u, dt, A, Bx, Cx):
+    """(y before D and z [b, d, l], last state [b, d, n]) of the recurrence; Bx, Cx broadcast to [b, d, n, l]."""
+    decay = paddle.exp(dt[:, :, None, :] * A[None, :, :, None])  # [b, d, n, l]
+    inp = (dt * u)[:, :, None, :] * Bx
+    if u.shape[-1] == 0:  # no step: y empty, the state zero
+        return paddle.zeros_like(u), paddle.zeros(decay.shape[:3], dtype=decay.dtype)
+    states, h = [], None
+    # unbind (not indexing): its backward stacks the step gradients once instead of adding a
+    # zero-padded full-size gradient per step
+    for decay_t, inp_t in zip(paddle.unbind(decay, axis=-1), paddle.unbind(inp, axis=-1)):
+        h = inp_t if h is None else decay_t * h + inp_t
+        states.append(h)
+    return (paddle.stack(states, axis=-1) * Cx).sum(axis=2), h
 
 
 def _silu_or_identity(x, activation):
