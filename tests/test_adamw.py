@@ -12,6 +12,7 @@ from paddlenlp_fused.kernels.triton.adamw import (BLOCK, ITERS, adamw_multi_tens
 from paddlenlp_fused.optimizer.adamw import STEP_KEY, FusedAdamW
 from paddlenlp_fused.reference.adamw import adamw_step_ref, stochastic_round
 from paddlenlp_fused.runtime.triton_paddle import triton_args
+from paddlenlp_fused.runtime.backend import BackendUnavailableError
 from paddlenlp_fused.testing.numerics import assert_close
 from helpers import randn, to64
 
@@ -407,6 +408,9 @@ def test_bad_input_raises_clear_errors():
     with pytest.raises(ValueError, match="parameters"):
         FusedAdamW(1e-3)
     with pytest.raises(ValueError, match="backend"):
+        FusedAdamW(parameters=params, backend="tpu")
+    # a known backend it lacks: the error every op raises for that, at construction
+    with pytest.raises(BackendUnavailableError, match="FusedAdamW: no 'cuda' implementation"):
         FusedAdamW(parameters=params, backend="cuda")
     with pytest.raises(TypeError, match="apply_decay_param_fun"):
         FusedAdamW(parameters=params, apply_decay_param_fun=3)

@@ -628,3 +628,7 @@ def test_bad_input_raises_clear_errors():
         mamba_inner_fn(**dict(a, x_proj_weight=randn((8, 7))))
     with pytest.raises(ValueError, match="hidden_act"):
         MambaMixer(d_model=8, hidden_act="gelu")
+    mixer = MambaMixer(d_model=8, d_state=3)
+    for shape in ((2, 5, 9), (5, 8)):  # a wrong width, a missing batch axis: named before any matmul
+        with pytest.raises(ValueError, match=r"hidden_states: expected \[batch, seqlen, hidden_size=8\]"):
+            mixer(randn(shape))

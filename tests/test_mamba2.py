@@ -16,6 +16,7 @@ from paddlenlp_fused.kernels.triton.state_update import selective_state_update a
 from paddlenlp_fused.layers.mamba2 import Mamba2Block, Mamba2InferenceParams
 from paddlenlp_fused.ops.mamba2 import mamba2_state_update, mamba_split_conv1d_scan_combined
 from paddlenlp_fused.reference.ssd import ssd_recurrence_ref
+from paddlenlp_fused.runtime.backend import BackendUnavailableError
 from paddlenlp_fused.testing.numerics import assert_close
 from paddlenlp_fused.runtime.triton_paddle import triton_args
 from helpers import as_leaf64, randn, to64
@@ -180,6 +181,11 @@ def test_bad_inputs():
         Mamba2Block(D_MODEL, headdim=HEADDIM, ngroups=3)
     with pytest.raises(ValueError, match="checkpoint_lvl"):
         Mamba2Block(D_MODEL, headdim=HEADDIM, checkpoint_lvl=2)
+    with pytest.raises(ValueError, match="backend"):
+        Mamba2Block(D_MODEL, headdim=HEADDIM, backend="tpu")
+    # its ops have no CUDA backend: the ops' error, at construction rather than at the first forward
+    with pytest.raises(BackendUnavailableError, match="Mamba2Block: no 'cuda' implementation"):
+        Mamba2Block(D_MODEL, headdim=HEADDIM, backend="cuda")
     with pytest.raises(ValueError, match="layer_idx"):
         Mamba2Block(D_MODEL, headdim=HEADDIM)(u, inference_params=Mamba2InferenceParams(8, 2))
     A, D = blk._A(), blk.D

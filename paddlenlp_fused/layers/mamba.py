@@ -193,6 +193,9 @@ class MambaMixer(nn.Layer):
 
     def forward(self, hidden_states, cache_params=None, cache=None):
         """hidden_states [batch, seqlen, hidden] -> [batch, seqlen, hidden]."""
+        if hidden_states.ndim != 3 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states: expected [batch, seqlen, hidden_size={self.hidden_size}], got "
+                             f"{list(hidden_states.shape)}")
         cache = cache_params if cache_params is not None else cache
         if self.pg is not None:
             hidden_states = comm.copy_to_parallel(hidden_states, self.pg)

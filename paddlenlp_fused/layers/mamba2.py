@@ -54,8 +54,9 @@ from paddle import nn
 
 from ..distributed import comm
 from ..ops.causal_conv1d import causal_conv1d_update
-from ..ops.mamba2 import mamba2_state_update, mamba_split_conv1d_scan_combined
+from ..ops.mamba2 import IMPLEMENTED, mamba2_state_update, mamba_split_conv1d_scan_combined
 from ..ops.ssd import cu_seqlens_to_seq_idx
+from ..runtime.backend import BACKENDS, BackendUnavailableError
 from .mamba import mark_sharded, take_shards
 from .norm import GatedRMSNorm
 from .tensor_parallel import _check_divisible, _model_parallel, _sharded_init
@@ -104,6 +105,10 @@ class Mamba2Block(nn.Layer):
             raise ValueError(f"A_init_range: expected 0 < low <= high, got {A_init_range}")
         if isinstance(checkpoint_lvl, bool) or checkpoint_lvl not in (0, 1):
             raise ValueError(f"checkpoint_lvl: expected 0 or 1, got {checkpoint_lvl!r}")
+        if backend not in ("auto",) + BACKENDS:
+            raise ValueError(f"backend: expected one of {['auto', *BACKENDS]}, got {backend!r}")
+        if backend != "auto" and backend not in IMPLEMENTED:  # the ops' own error, at construction not forward
+            raise BackendUnavailableError(f"Mamba2Block: no {backend!r} implementation; its ops have {list(IMPLEMENTED)}")
         self.pg = pg = _model_parallel(process_group)
         world, rank = (pg.world_size, pg.rank) if pg is not None else (1, 0)
         if sequence_parallel and pg is None:

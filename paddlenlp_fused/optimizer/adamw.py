@@ -36,13 +36,13 @@ from ..kernels.triton.adamw import (MOMENT_DTYPES, adamw_multi_tensor, check_gro
                                     plan_chunks, step_seed, table_aligned)
 from ..reference.adamw import adamw_step_ref
 from ..runtime import tensor as T
-from ..runtime.backend import resolve_backend
+from ..runtime.backend import BACKENDS, BackendUnavailableError, resolve_backend
 from ..runtime.triton_paddle import triton_args
 
 STEP_KEY = "FusedAdamW.step_seed"
 _SIXTEEN_BIT = ("float16", "bfloat16")
 _GROUP_KEYS = ("params", "learning_rate", "weight_decay", "beta1", "beta2", "epsilon", "grad_clip", "lazy_mode")
-_BACKENDS = ("auto", "triton", "reference")
+IMPLEMENTED = ("triton", "reference")
 
 
 def _float(name: str, value) -> float:
@@ -136,8 +136,10 @@ class FusedAdamW(Optimizer):
         for arg, fn in (("apply_decay_param_fun", apply_decay_param_fun), ("lr_ratio", lr_ratio)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{arg}: expected a callable or None, got {type(fn).__name__}")
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend: expected one of {list(_BACKENDS)}, got {backend!r}")
+        if backend not in ("auto",) + BACKENDS:
+            raise ValueError(f"backend: expected one of {['auto', *BACKENDS]}, got {backend!r}")
+        if backend != "auto" and backend not in IMPLEMENTED:  # as every op says it (resolve_backend), but early
+            raise BackendUnavailableError(f"FusedAdamW: no {backend!r} implementation; this op has {list(IMPLEMENTED)}")
         if grad_clip is not None and not isinstance(grad_clip, GradientClipBase):
             raise TypeError(f"grad_clip: expected a paddle.nn.ClipGradBy* instance, got {type(grad_clip).__name__}")
 
@@ -355,7 +357,7 @@ class FusedAdamW(Optimizer):
                           group["epsilon"], state.beta1_pow, state.beta2_pow))
         rows = hyper_rows(*np.array(hyper, dtype=np.float64).T)
         backend = resolve_backend("FusedAdamW", self._backend, T.device_kind(work[0][0]),
-                                  implemented=("triton", "reference"))
+                                  implemented=IMPLEMENTED)
         if backend == "reference":
             for i, ((param, grad, _), state) in enumerate(zip(work, states)):
                 adamw_step_ref(param, grad, state.exp_avg, state.exp_avg_sq, state.master, rows[i],
