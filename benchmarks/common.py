@@ -32,14 +32,15 @@ def clear_grads(leaves) -> None:
         t.grad = None
 
 
-def run_once(provider, fn, exclude_bytes: int = 0, leaves=()) -> tuple:
+def run_once(provider, fn, exclude_bytes=0, leaves=()) -> tuple:
     """(wall milliseconds, peak GiB) of one call of ``fn``. The gradients the previous call left on
     ``leaves`` are freed *before* the baseline is read (a closure that clears them itself would
     otherwise count them in the baseline and free them inside the measured window, reading low by
     their size). The peak is what the call holds above the baseline (inputs, parameters, persistent
-    buffers) less ``exclude_bytes`` (the gradients of inputs and parameters it allocates); the
-    return value of ``fn`` (outputs, gradients) is held until the peak is read. Not floored: a
-    negative figure means ``exclude_bytes`` names more than the call allocates."""
+    buffers) less ``exclude_bytes`` (the gradients of inputs and parameters it allocates; a callable
+    is asked after the call); the return value of ``fn`` (outputs, gradients) is held until the peak
+    is read. Not floored: a negative figure means ``exclude_bytes`` names more than the call
+    allocates."""
     clear_grads(leaves)
     provider.synchronize()
     before = provider.memory_allocated()
@@ -49,22 +50,31 @@ def run_once(provider, fn, exclude_bytes: int = 0, leaves=()) -> tuple:
     provider.synchronize()
     ms = (time.perf_counter() - start) * 1e3
     peak = provider.peak_memory()
+    excluded = exclude_bytes() if callable(exclude_bytes) else exclude_bytes
     del keep
-    return ms, (peak - before - exclude_bytes) / GiB
+    return ms, (peak - before - excluded) / GiB
 
 
-def peak_GiB(provider, fn, exclude_bytes: int = 0, leaves=()) -> float:
+def peak_GiB(provider, fn, exclude_bytes=0, leaves=()) -> float:
     """Peak device memory of one call of ``fn`` (``run_once``): the one helper every row uses."""
     return run_once(provider, fn, exclude_bytes, leaves)[1]
 
 
-def autograd_row(provider, impl: str, forward, leaves, grad_out, check, exclude_bytes: int,
-                 warmup_ms: int = 25, rep_ms: int = 200) -> dict:
+def gradient_bytes(leaves) -> int:
+    """Bytes the leaves' gradients occupy, less any written into their own leaf's memory (Liger's
+    SwiGLU returns its inputs overwritten as their gradients)."""
+    return sum(t.grad.nbytes for t in leaves if t.grad is not None
+               and t.grad.untyped_storage().data_ptr() != t.untyped_storage().data_ptr())
+
+
+def autograd_row(provider, impl: str, forward, leaves, grad_out, check, warmup_ms: int = 25,
+                 rep_ms: int = 200) -> dict:
     """A row for an implementation driven by torch autograd (torch, torch.compile, the peers):
     ``forward()`` computes the output from ``leaves``; fwd is timed under ``no_grad``, fwd+bwd as
     ``forward().backward(grad_out)`` with the leaves' gradients cleared first; ``check(out, grads)``
     returns the error fields from the no-grad output and the leaves' gradients of the first fwd+bwd.
-    The leaves keep the gradients of the last call (the peak's) when it returns."""
+    ``peak_GiB`` excludes the gradients the call leaves on the leaves (``gradient_bytes``). The
+    leaves keep the gradients of the last call (the peak's) when it returns."""
     import torch
 
     def fwd():
@@ -82,7 +92,7 @@ def autograd_row(provider, impl: str, forward, leaves, grad_out, check, exclude_
     errors = check(out, [t.grad for t in leaves])
     del out
     row = {"impl": impl, "fwd_ms": bench_ms(fwd, warmup_ms, rep_ms), "fwdbwd_ms": bench_ms(fwdbwd, warmup_ms, rep_ms),
-           "peak_GiB": peak_GiB(provider, fwdbwd, exclude_bytes, leaves)}
+           "peak_GiB": peak_GiB(provider, fwdbwd, lambda: gradient_bytes(leaves), leaves)}
     row.update(errors)
     return row
 

@@ -88,16 +88,16 @@ def run(provider, quick: bool = False, sweep: bool = False) -> dict:
     def check(y, grads):
         return {"rel_err": rel_err(y.double().cpu().numpy(), ref)}
 
-    rows.append(autograd_row(provider, "torch", lambda: torch_conv(*leaves), leaves, dout, check, grad_bytes))
+    rows.append(autograd_row(provider, "torch", lambda: torch_conv(*leaves), leaves, dout, check))
     torch_row = rows[-1]
     compiled = torch.compile(torch_conv)
     optional_row(rows, skipped, "torch.compile", lambda: autograd_row(
-        provider, "torch.compile", lambda: compiled(*leaves), leaves, dout, check, grad_bytes))
+        provider, "torch.compile", lambda: compiled(*leaves), leaves, dout, check))
 
     def cuda_peer():  # only where causal-conv1d's CUDA extension was built (README: "Peers")
         fn = peers.load("causal_conv1d.causal_conv1d_interface").causal_conv1d_fn
         return dict(autograd_row(provider, CUDA_PEER, lambda: fn(*leaves, activation="silu"),
-                                 leaves, dout, check, grad_bytes), peer=peers.describe("causal_conv1d"))
+                                 leaves, dout, check), peer=peers.describe("causal_conv1d"))
 
     optional_row(rows, skipped, CUDA_PEER, cuda_peer)
     del ref, leaves

@@ -144,7 +144,7 @@ def graph_ms(provider, fn, rep_ms: int = 100):
     return bench_ms(graph.replay, warmup_ms=10, rep_ms=rep_ms)
 
 
-def _peer_rows(provider, leaves, norm, dy, is_rms, ref_y, ref_dx, grad_bytes, skipped) -> list:
+def _peer_rows(provider, leaves, norm, dy, is_rms, ref_y, ref_dx, skipped) -> list:
     """torch.compile of the composition and the peers, on torch's leaves (x, w(, b)), each an
     optional row (``skipped`` says why one is missing)."""
     import torch
@@ -157,7 +157,7 @@ def _peer_rows(provider, leaves, norm, dy, is_rms, ref_y, ref_dx, grad_bytes, sk
         return {"rel_err": _err(y, ref_y), "rel_err_dx": _err(grads[0], ref_dx)}
 
     def row(impl, forward, grad_out=dy):
-        return lambda: autograd_row(provider, impl, forward, leaves, grad_out, check, grad_bytes)
+        return lambda: autograd_row(provider, impl, forward, leaves, grad_out, check)
 
     def liger():
         if is_rms:  # Liger's defaults: LLaMA casting, and dx written into the incoming gradient
@@ -212,7 +212,7 @@ def run_norm(provider, quick: bool, is_rms: bool, sweep: bool = False) -> dict:
                  "peak_GiB": peak_GiB(provider, t_fwdbwd, exclude_bytes=grad_bytes, leaves=leaves),
                  "rel_err": _err(t_fwd(), ref_y), "rel_err_dx": _err(t_fwdbwd()[0], ref_dx)})
     torch_row, skipped = rows[-1], {}
-    rows += _peer_rows(provider, leaves, norm, dy, is_rms, ref_y, ref_dx, grad_bytes, skipped)
+    rows += _peer_rows(provider, leaves, norm, dy, is_rms, ref_y, ref_dx, skipped)
     del leaves, ref_y, ref_dx, x, w, b, dy
     for row in rows:
         for key in ("fwdbwd_ms", "fwdbwd_graph_ms"):

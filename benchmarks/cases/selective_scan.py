@@ -179,7 +179,7 @@ def run(provider, quick: bool = False, sweep: bool = False) -> dict:
                     "rel_err_du": rel_err(provider.to_numpy(grads[0][sl]), ref_du)}
 
         row = autograd_row(provider, CUDA_PEER, lambda: fn(*pl[:7], delta_bias=pl[7], delta_softplus=True), pl,
-                           dout, check, grad_bytes)
+                           dout, check)
         row["fwd_per_batch_ms"], row["fwdbwd_per_batch_ms"] = row["fwd_ms"] / batch, row["fwdbwd_ms"] / batch
         return dict(row, peer=peers.describe("mamba_ssm"))
 

@@ -147,18 +147,18 @@ def _measure(provider, batch, seqlen, with_torch=True, with_peers=False, sweep=F
         def composition(*args):
             return torch_chunked(*args, CHUNK, torch.bfloat16)[0]
 
-        rows.append(autograd_row(provider, TORCH, lambda: composition(*leaves), leaves, dout, check, grad_bytes))
+        rows.append(autograd_row(provider, TORCH, lambda: composition(*leaves), leaves, dout, check))
         if with_peers:
             compiled = torch.compile(composition)
             optional_row(rows, skipped, "torch.compile", lambda: autograd_row(
-                provider, "torch.compile", lambda: compiled(*leaves), leaves, dout, check, grad_bytes))
+                provider, "torch.compile", lambda: compiled(*leaves), leaves, dout, check))
 
             def mamba():
                 fn = peers.load("mamba_ssm.ops.triton.ssd_combined").mamba_chunk_scan_combined
                 lx, ldt, lA, lB, lC, lD, lbias = leaves
                 return dict(autograd_row(provider, MAMBA, lambda: fn(lx, ldt, lA, lB, lC, CHUNK, D=lD, dt_bias=lbias,
                                                                        dt_softplus=True),
-                                         leaves, dout, check, grad_bytes), peer=peers.describe("mamba_ssm"))
+                                         leaves, dout, check), peer=peers.describe("mamba_ssm"))
 
             optional_row(rows, skipped, MAMBA, mamba)
         del leaves

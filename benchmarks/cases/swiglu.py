@@ -64,9 +64,9 @@ def run(provider, quick: bool = False) -> dict:
         return F.silu(a) * b
 
     xg = x.detach().clone().requires_grad_(True)
-    rows.append(autograd_row(provider, "torch", lambda: torch_eager(xg), [xg], dy, check, grad_bytes))
+    rows.append(autograd_row(provider, "torch", lambda: torch_eager(xg), [xg], dy, check))
     optional_row(rows, skipped, "torch.compile", lambda: autograd_row(
-        provider, "torch.compile", lambda f=torch.compile(torch_eager): f(xg), [xg], dy, check, grad_bytes))
+        provider, "torch.compile", lambda f=torch.compile(torch_eager): f(xg), [xg], dy, check))
     del xg
 
     def liger_row():
@@ -74,7 +74,7 @@ def run(provider, quick: bool = False) -> dict:
         # returns its saved inputs overwritten): contiguous halves, made once, outside the timing
         silu_mul = peers.load("liger_kernel.ops.swiglu").LigerSiLUMulFunction
         a, b = (t.contiguous().requires_grad_(True) for t in x.detach().chunk(2, dim=-1))
-        return dict(autograd_row(provider, LIGER, lambda: silu_mul.apply(a, b), [a, b], dy, check, grad_bytes),
+        return dict(autograd_row(provider, LIGER, lambda: silu_mul.apply(a, b), [a, b], dy, check),
                     peer=peers.describe("liger_kernel"))
 
     optional_row(rows, skipped, LIGER, liger_row)
