@@ -1,11 +1,16 @@
 """Comm PyLayers in 2 processes on gloo: forward values and backward gradients of each op against
-what the collective must give, and identity with no group."""
+what the collective must give, and identity with no group; the NCCL-only branches (reduce-scatter,
+the contrastive ring's batched send/recv) on a recording stand-in for NCCL's collectives, against
+fleet's sequence-parallel reduce-scatter and the gloo branch."""
+
+import types
 
 import numpy as np
 import paddle
+import pytest
 
 from paddlenlp_fused.distributed import comm
-from paddlenlp_fused.testing.distributed import init_fleet, run_distributed
+from paddlenlp_fused.testing.distributed import FakeGroup, RecordingCollectives, init_fleet, run_distributed
 
 
 def _rank_input(rank, shape=(4, 6)):
@@ -83,3 +88,107 @@ def test_every_op_is_identity_without_a_group():
                comm.scatter_sequence, comm.gather_sequence, comm.all_gather_sequence,
                comm.reduce_scatter_sequence):
         assert op(x, None) is x
+
+
+def test_fleet_errors_other_than_not_initialised_propagate(monkeypatch):
+    """Only fleet not being initialised means "single process"; any other failure is raised."""
+    from paddle.distributed import fleet
+
+    assert comm.model_parallel_group() is None  # no fleet.init in this process
+
+    def broken():
+        raise RuntimeError("hybrid group construction failed")
+
+    monkeypatch.setattr(fleet, "get_hybrid_communicate_group", broken)
+    with pytest.raises(RuntimeError, match="construction failed"):
+        comm.model_parallel_group()
+
+
+# NCCL-only branches, on a recording stand-in for NCCL's collectives (gloo takes other branches, so
+# the two-process CI tests never run these): rank 1 of 4 (ranks 10..13 globally)
+
+def _nccl_rank(monkeypatch, peer, world=4, rank=1):
+    group = FakeGroup([10 + i for i in range(world)], rank)
+    collectives = RecordingCollectives(group, peer)
+    collectives.install(monkeypatch)
+    return comm.ParallelGroup(group, world, rank, 10), collectives
+
+
+def test_reduce_scatter_nccl_branch_sends_what_fleet_sends(monkeypatch):
+    from paddle.distributed.fleet.utils import sequence_parallel_utils as fleet_sp
+
+    world, rank = 4, 1
+    xs = [_rank_input(q, (8, 6)) for q in range(world)]
+    pg, ours = _nccl_rank(monkeypatch, lambda kind, src, call: [xs[src]], world, rank)
+    y = comm.reduce_scatter_sequence(paddle.to_tensor(xs[rank]), pg)
+    np.testing.assert_array_equal(y.numpy(), sum(xs)[2 * rank:2 * rank + 2])
+
+    fleets = RecordingCollectives(pg.group, lambda kind, src, call: [xs[src]])
+    fleets.install(monkeypatch)
+    hcg = types.SimpleNamespace(get_model_parallel_group=lambda: pg.group)
+    monkeypatch.setattr(fleet_sp.fleet, "get_hybrid_communicate_group", lambda: hcg)
+    y_fleet = fleet_sp.reduce_scatter(paddle.to_tensor(xs[rank]))
+    np.testing.assert_array_equal(y.numpy(), y_fleet.numpy())
+    [(kind, (chunks, op))], [(fleet_kind, (fleet_chunks, fleet_op))] = ours.calls, fleets.calls
+    assert kind == fleet_kind == "reduce_scatter" and op == fleet_op == int(paddle.distributed.ReduceOp.SUM)
+    assert len(chunks) == len(fleet_chunks) == world
+    for mine, theirs in zip(chunks, fleet_chunks):  # chunk k goes to rank k, in both
+        np.testing.assert_array_equal(mine, theirs)
+
+    # the backward of all_gather_sequence is the same reduce-scatter (of the gradient)
+    dys = [_rank_input(q + 7, (8, 6)) for q in range(world)]
+    pg, grads = _nccl_rank(monkeypatch, lambda kind, src, call: [dys[src]], world, rank)
+    dx = comm._reduce_scatter(paddle.to_tensor(dys[rank]), pg)
+    np.testing.assert_array_equal(dx.numpy(), sum(dys)[2 * rank:2 * rank + 2])
+
+
+def test_ring_shift_nccl_branch_matches_the_gloo_branch(monkeypatch):
+    """The ring's batched isend/irecv (NCCL) sends each block to the next rank and receives the
+    previous rank's, step by step, exactly as the blocking send/recv of the gloo branch does."""
+    from paddlenlp_fused.distributed.contrastive_ring import Ring, ring_row_stats
+
+    world, rank, rows = 3, 1, 4
+    blocks = [_rank_input(q, (rows, 5)) for q in range(world)]
+
+    def travelling(kind, src, step):  # at step t rank q sends the block it holds: rank (q - t)'s
+        return [blocks[(src - step) % world]]
+
+    def run(pg):
+        visited = []
+
+        def block_stats(block, offset):
+            visited.append((block.numpy(), offset))
+            zeros = paddle.zeros([rows], dtype="float32")
+            return zeros, zeros
+
+        ring_row_stats(Ring(pg), paddle.zeros([rows, 5]), paddle.to_tensor(blocks[rank]), block_stats)
+        return visited
+
+    pg, nccl = _nccl_rank(monkeypatch, travelling, world, rank)
+    visited = run(pg)
+    for step, (block, offset) in enumerate(visited):
+        owner = (rank - step) % world
+        np.testing.assert_array_equal(block, blocks[owner])
+        assert offset == owner * rows
+    nccl_sends = [(dst, data) for kind, (sends, _) in nccl.calls for dst, data in sends]
+    nccl_recvs = [src for kind, (_, sources) in nccl.calls for src in sources]
+
+    gloo_sends, gloo_recvs, step = [], [], {"recv": 0}
+
+    def send(tensor, dst, group=None, sync_op=True):
+        gloo_sends.append((dst, tensor.numpy()))
+
+    def recv(tensor, src, group=None, sync_op=True):
+        gloo_recvs.append(src)
+        paddle.assign(paddle.to_tensor(travelling("p2p", pg.group.ranks.index(src), step["recv"])[0]), output=tensor)
+        step["recv"] += 1
+
+    monkeypatch.setattr(paddle.distributed, "get_backend", lambda group=None: "GLOO")
+    monkeypatch.setattr(paddle.distributed, "send", send)
+    monkeypatch.setattr(paddle.distributed, "recv", recv)
+    gloo_visited = run(pg)
+    assert [offset for _, offset in gloo_visited] == [offset for _, offset in visited]
+    assert [dst for dst, _ in gloo_sends] == [dst for dst, _ in nccl_sends] == [pg.group.ranks[(rank + 1) % world]] * 2
+    assert gloo_recvs == nccl_recvs == [pg.group.ranks[(rank - 1) % world]] * 2
+    for (_, mine), (_, theirs) in zip(nccl_sends, gloo_sends):
+        np.testing.assert_array_equal(mine, theirs)

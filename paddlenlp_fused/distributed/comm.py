@@ -42,13 +42,20 @@ def data_parallel_group() -> Optional[ParallelGroup]:
     return _hybrid_group("data")
 
 
+def _fleet_initialised(fleet) -> bool:
+    """Whether ``fleet.init`` built the hybrid groups: before it, ``get_hybrid_communicate_group``
+    fails on the fleet object's missing (or None) ``_hcg``, which is all this looks at, so any other
+    failure of a real fleet call still propagates."""
+    owner = getattr(fleet.get_hybrid_communicate_group, "__self__", None)
+    return owner is None or getattr(owner, "_hcg", None) is not None
+
+
 def _hybrid_group(kind: str) -> Optional[ParallelGroup]:
     from paddle.distributed import fleet
 
-    try:
-        hcg = fleet.get_hybrid_communicate_group()
-    except Exception:  # fleet not initialised
+    if not _fleet_initialised(fleet):
         return None
+    hcg = fleet.get_hybrid_communicate_group()
     if hcg is None:
         return None
     world = getattr(hcg, f"get_{kind}_parallel_world_size")()

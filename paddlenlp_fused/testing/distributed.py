@@ -73,6 +73,104 @@ def init_fleet(mp_degree: int = 1, dp_degree: int = 1, sharding_degree: int = 1,
     return fleet.get_hybrid_communicate_group()
 
 
+class FakeGroup:
+    """A communication group of ``ranks`` (global ranks) as the collectives and our ops read it."""
+
+    def __init__(self, ranks, rank_in_group: int):
+        self.ranks, self.nranks, self.rank = list(ranks), len(ranks), rank_in_group
+
+
+class RecordingCollectives:
+    """NCCL's collectives, stood in for in one process as rank ``rank`` of ``group``: each call is
+    recorded (what this rank sends, to whom), and its result is what the real collective would give,
+    made from what the other ranks send, which ``peer(kind, src, call)`` tells (a list of arrays:
+    the tensors rank ``src`` passes to its ``call``-th collective of ``kind``, 'reduce_scatter' or
+    'p2p'). ``install(monkeypatch)`` puts it in place of ``paddle.distributed``'s (and of
+    ``paddle.distributed.stream``'s) reduce-scatter and batched point-to-point calls, and makes the
+    group's backend read 'NCCL', so the code under test takes its NCCL branches.
+
+    ``calls``: (kind, details) in order; reduce-scatter details are (the W chunks this rank sends,
+    one per destination rank, as arrays; the reduce op); p2p details are
+    ([(peer's global rank, array) sent], [peer's global rank received from])."""
+
+    def __init__(self, group: FakeGroup, peer):
+        self.group, self.peer = group, peer
+        self.calls = []
+        self._count = {"reduce_scatter": 0, "p2p": 0}
+
+    def _next_call(self, kind: str) -> int:
+        index = self._count[kind]
+        self._count[kind] += 1
+        return index
+
+    def reduce_scatter(self, tensor, tensor_or_tensor_list, op=0, group=None, sync_op=True, use_calc_stream=False):
+        import numpy as np
+        import paddle
+
+        if group is not self.group:
+            raise AssertionError(f"reduce_scatter on another group: {group!r}")
+        if isinstance(tensor_or_tensor_list, (list, tuple)):
+            chunks = [t.numpy() for t in tensor_or_tensor_list]
+        else:  # one tensor: split along axis 0 into one chunk per rank (paddle.distributed.stream)
+            chunks = np.split(tensor_or_tensor_list.numpy(), self.group.nranks, axis=0)
+        call = self._next_call("reduce_scatter")
+        self.calls.append(("reduce_scatter", (chunks, int(op))))
+        if int(op) != 0:
+            raise NotImplementedError("only the SUM reduce-scatter is stood in for")
+        total = sum(chunks[self.group.rank] if src == self.group.rank else
+                    np.split(self.peer("reduce_scatter", src, call)[0], self.group.nranks, axis=0)[self.group.rank]
+                    for src in range(self.group.nranks))
+        paddle.assign(paddle.to_tensor(total.astype(chunks[0].dtype)), output=tensor)
+        return _DoneTask()
+
+    class P2POp:
+        def __init__(self, op, tensor, peer, group=None):
+            self.op, self.tensor, self.peer, self.group = op, tensor, peer, group
+
+    @staticmethod
+    def isend(*_, **__):
+        raise AssertionError("isend is only posted through batch_isend_irecv")
+
+    @staticmethod
+    def irecv(*_, **__):
+        raise AssertionError("irecv is only posted through batch_isend_irecv")
+
+    def batch_isend_irecv(self, ops):
+        import paddle
+
+        call = self._next_call("p2p")
+        sends = [(op.peer, op.tensor.numpy()) for op in ops if op.op is self.isend]
+        recvs = [op for op in ops if op.op is self.irecv]
+        if len(sends) + len(recvs) != len(ops) or any(op.group is not self.group for op in ops):
+            raise AssertionError("batch_isend_irecv: every op is an isend or irecv on the group")
+        self.calls.append(("p2p", (sends, [op.peer for op in recvs])))
+        by_source = {}
+        for op in recvs:  # the i-th receive from a peer gets the i-th tensor that peer sent it
+            src = self.group.ranks.index(op.peer)
+            sent = by_source.setdefault(src, list(self.peer("p2p", src, call)))
+            paddle.assign(paddle.to_tensor(sent.pop(0)), output=op.tensor)
+        return [_DoneTask() for _ in ops]
+
+    def install(self, monkeypatch) -> None:
+        import paddle.distributed as dist
+
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "NCCL")
+        monkeypatch.setattr(dist, "reduce_scatter", self.reduce_scatter)
+        monkeypatch.setattr(dist.stream, "reduce_scatter", self.reduce_scatter)
+        monkeypatch.setattr(dist, "P2POp", self.P2POp)
+        monkeypatch.setattr(dist, "isend", self.isend)
+        monkeypatch.setattr(dist, "irecv", self.irecv)
+        monkeypatch.setattr(dist, "batch_isend_irecv", self.batch_isend_irecv)
+
+
+class _DoneTask:
+    def wait(self):
+        return True
+
+    def is_completed(self):
+        return True
+
+
 def _child_main(path: str, qualname: str) -> None:
     import importlib.util
 
