@@ -47,7 +47,7 @@ class FlashContrastiveLoss(nn.Layer):
         """The scale this step uses: a scalar tensor (learnable) or a float."""
         if self.logit_scale is None:
             return self.init_scale
-        scale = paddle.exp(self.logit_scale)
+        scale = paddle.exp(self.logit_scale.astype("float32"))  # float32 also under O2 (a bfloat16 parameter)
         return scale if self.max_scale is None else paddle.clip(scale, max=float(self.max_scale))
 
     def forward(self, q: paddle.Tensor, k: paddle.Tensor, labels: paddle.Tensor | None = None) -> paddle.Tensor:

@@ -43,6 +43,7 @@ from ..runtime import tensor as T
 from ..runtime.backend import resolve_backend
 from ..runtime.triton_paddle import triton_args
 from ._checks import check_tensor, contiguous, device_of
+from ._pylayer import grads_for, needs_grad
 
 REDUCTIONS = ("mean", "sum", "none")
 PRECISIONS = ("auto", "ieee", "tf32", "bf16")
@@ -82,6 +83,7 @@ class _FlashContrastive(PyLayer):
         if symmetric:  # columns of S are the rows of S.T = scale * k @ q.T: the same ring with q travelling
             lse_cols, pos_cols = ring_row_stats(ring, k, q, stats(k, labels))
             loss = 0.5 * (loss + lse_cols - pos_cols)
+        ctx.needs_grad = needs_grad(q, k, scale_tensor, labels)
         ctx.save_for_backward(q, k, labels, lse_rows, lse_cols)
         scale_like = None if scale_tensor is None else (list(scale_tensor.shape), scale_tensor.dtype)
         ctx.config = (scale, symmetric, dot_precision, ring, scale_like)
@@ -119,7 +121,8 @@ class _FlashContrastive(PyLayer):
             shape, dtype = scale_like
             dscale = _scale_grad(q, ua).reshape(shape).astype(dtype)
         dq, dk = ua.scale_(scale), ub.scale_(scale)  # in place: the fp32 accumulators become the gradients
-        return dq.astype(q.dtype), dk.astype(k.dtype), dscale
+        grads = [dq.astype(q.dtype), dk.astype(k.dtype)] + ([] if scale_like is None else [dscale]) + [None]
+        return grads_for(ctx, grads)  # (labels: no gradient)
 
 
 def _stage_buffers(q, k, dot_precision, rows):

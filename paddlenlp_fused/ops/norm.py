@@ -68,6 +68,7 @@ class NormFunction(PyLayer):
     def forward(ctx, x, weight, bias, residual, eps, is_rms_norm, prenorm, residual_dtype, weight_offset, backend):
         N = x.shape[-1]
         x2d = contiguous(x).reshape([-1, N])
+        weight, bias = contiguous(weight), contiguous(bias)
         M = x2d.shape[0]
         res2d = None if residual is None else contiguous(residual).reshape([M, N])
         y = paddle.empty([M, N], dtype=x.dtype, device=x.place)
@@ -171,7 +172,7 @@ class GatedRMSNormFunction(PyLayer):
     @staticmethod
     def forward(ctx, x, weight, z, eps, group_size, norm_before_gate):
         N = x.shape[-1]
-        x2d = contiguous(x).reshape([-1, N])
+        x2d, weight = contiguous(x).reshape([-1, N]), contiguous(weight)
         M = x2d.shape[0]
         z2d = None if z is None else contiguous(z).reshape([M, N])
         ngroups = N // (group_size or N)

@@ -5,6 +5,18 @@ float16/bfloat16 outputs must be under 1e-2 and within 2x the error of the plain
 that dtype. Where no plain computation is at hand (or it is better than one rounding), the baseline
 is the dtype's unit roundoff ``u`` (2^-8 for bfloat16, 2^-11 for float16): merely rounding the exact
 result to the dtype costs up to ``u`` per element, and a plain composition rounds several times.
+
+``assert_close`` pairs that norm-wise bound with an elementwise one, ``max|out - ref| <=
+ELEMENTWISE_FACTOR * bound * max|ref|``: a norm-wise bound lets one wrong row of a large tensor pass
+(its share of the norm shrinks with the number of rows), while the largest error is measured against
+the largest reference value, whatever the size. Scaling by ``max|ref|`` rather than by each
+element keeps it robust where an element's error follows its terms rather than its own (small)
+value, and tying it to the norm-wise bound gives it that bound's dtype and baseline. The factor
+comes from the CPU suite (1307 calls, each test a fresh seed): the largest
+``max|out - ref| / (bound * max|ref|)`` was 0.35 for float32, 0.80 for float16 and 0.82 for
+bfloat16; rounding errors scale with the values they round, so that ratio does not grow with the
+tensor's size as a tail would. 4 leaves a margin of 4.9 over the worst and still fails a row that is
+off by 4% (bfloat16) or 4e-5 (float32) of the tensor's largest value.
 """
 
 from __future__ import annotations
@@ -15,6 +27,7 @@ FP32_BOUND = 1e-5
 TF32_BOUND = 1e-3
 LOW_PRECISION_CAP = 1e-2
 UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
+ELEMENTWISE_FACTOR = 4.0
 
 
 def rel_err(out, ref) -> float:
@@ -39,12 +52,34 @@ def bound_for(dtype: str, baseline_err: float | None = None, tf32: bool = False)
     return min(LOW_PRECISION_CAP, 2.0 * max(UNIT_ROUNDOFF[dtype], baseline_err or 0.0))
 
 
+def max_err(out, ref) -> tuple:
+    """(``max|out - ref| / max|ref|``, the index of the largest error) in float64; the ratio is the
+    plain largest error when ref is all zeros, inf when out has NaN/inf."""
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if out.shape != ref.shape:
+        raise AssertionError(f"shape mismatch: {out.shape} vs reference {ref.shape}")
+    if out.size == 0:
+        return 0.0, ()
+    if not np.all(np.isfinite(out)):
+        return float("inf"), np.unravel_index(int(np.argmin(np.isfinite(out))), out.shape)
+    diff = np.abs(out - ref)
+    index = np.unravel_index(int(np.argmax(diff)), out.shape)
+    scale = float(np.max(np.abs(ref)))
+    return (float(diff[index]) / scale if scale > 0 else float(diff[index])), tuple(int(i) for i in index)
+
+
 def assert_close(name: str, out, ref, dtype: str, baseline_err: float | None = None, tf32: bool = False) -> float:
-    """Assert DESIGN.md's bound; returns the error."""
+    """Assert DESIGN.md's bound, norm-wise and elementwise (module docstring); returns the norm-wise
+    error."""
     err = rel_err(out, ref)
     bound = bound_for(dtype, baseline_err, tf32)
     if not err <= bound:  # also false for NaN
         raise AssertionError(f"{name} ({dtype}): relative error {err:.3e} exceeds bound {bound:.3e}")
+    worst, index = max_err(out, ref)
+    if not worst <= ELEMENTWISE_FACTOR * bound:
+        raise AssertionError(f"{name} ({dtype}): largest error {worst:.3e} of max|ref| (at {index}) exceeds "
+                             f"{ELEMENTWISE_FACTOR:g} x bound {bound:.3e}")
     return err
 
 
