@@ -41,6 +41,7 @@ def test_auto_on_cpu_picks_triton_in_interpreter_mode_else_reference(monkeypatch
     with paddlenlp_fused.use_backend("reference"):
         assert B.resolve_backend("op", "auto", "cpu", impl) == "reference"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(B, "_interpret_mode", False)  # (the mode is decided once per process)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # CPU fallback to the reference is the normal path: no warning
         assert B.resolve_backend("op", "auto", "cpu", impl) == "reference"
@@ -150,3 +151,149 @@ def test_interpreter_rounds_bf16_casts_to_nearest_even():
         bits = got.view("uint16").numpy()
         np.testing.assert_array_equal(bits[:-1], want)
         assert np.isnan(got[-1:].astype("float32").numpy()).all()
+
+
+def test_triton_mode_is_decided_once_and_reported_truthfully():
+    """TRITON_INTERPRET set after the first op call: Triton's kernels are already compiled ones, so
+    the interpreter cannot take CPU tensors. The backend reports so (it used to report Triton
+    available, and the call then crashed inside Triton with an AttributeError) and an explicit
+    request raises BackendUnavailableError naming the cause."""
+    code = """
+import os, warnings
+import numpy as np, paddle
+import paddlenlp_fused
+from paddlenlp_fused import BackendUnavailableError, available_backends, swiglu
+x = paddle.to_tensor(np.random.randn(4, 8).astype("float32"))
+swiglu(x)  # the first call: Triton compiled (no interpreter), so the reference runs on CPU
+os.environ["TRITON_INTERPRET"] = "1"
+status = available_backends("cpu")["triton"]
+assert not status.available and "was set after" in status.reason, status
+try:
+    swiglu(x, backend="triton")
+except BackendUnavailableError as exc:
+    assert "TRITON_INTERPRET was set after" in str(exc), exc
+else:
+    raise AssertionError("no error")
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+def test_interpreter_mode_holds_after_the_env_changes(monkeypatch):
+    assert B.interpreter_enabled()  # the suite runs in interpreter mode
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert B.interpreter_enabled() and "was unset after" in B.interpreter_mode_changed()
+    status = paddlenlp_fused.available_backends("cpu")["triton"]
+    assert status.available and "interpreter" in status.reason
+    assert not paddlenlp_fused.available_backends("gpu")["triton"].available
+
+
+def test_auto_order_is_one_table():
+    from paddlenlp_fused.ops import causal_conv1d, mamba, norm
+
+    assert norm.auto_order(4096) == B.gpu_order("layer_norm", N=4096) == ("triton", "cuda")
+    assert norm.auto_order(1024) == B.gpu_order("rms_norm", N=1024) == ("cuda", "triton")
+    assert mamba.SCAN_AUTO_ORDER == B.gpu_order("selective_scan")
+    assert causal_conv1d.AUTO_ORDER == B.gpu_order("causal_conv1d")
+    assert B.gpu_order("linear_cross_entropy") == B.DEFAULT_GPU_ORDER
+    for op, order in B.AUTO_ORDER.items():
+        got = B.gpu_order(op, N=2048) if callable(order) else B.gpu_order(op)
+        assert sorted(got) == ["cuda", "triton"], (op, got)
+    statuses = {name: B.BackendStatus(True, "ok") for name in B.BACKENDS}
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as m:
+        m.setattr(B, "backend_status", lambda name, device: statuses[name])
+        assert B.resolve_backend("selective_scan", "auto", "gpu", ("cuda", "triton", "reference")) == "triton"
+        assert B.resolve_backend("fused_dense", "auto", "gpu", ("cuda", "triton", "reference")) == "cuda"
+
+
+def test_version_ranges_and_check(monkeypatch):
+    from paddlenlp_fused.runtime import versions as V
+
+    assert V.PADDLE_SPEC == ">=3.2,<3.4" and V.TRITON_SPEC == ">=3.6,<3.7"
+    assert V.parse(V.PADDLE_OLDEST) == V.PADDLE_SUPPORTED[0]
+    assert V.parse("3.2.0.post120") == (3, 2) and V.parse("3.6.0+git1") == (3, 6)
+    with pytest.raises(ValueError, match="MAJOR.MINOR"):
+        V.parse("dev")
+    assert "paddle.empty(device=...)" in V.paddle_problem("3.1.1")
+    assert V.paddle_problem("3.2.0") is None and V.paddle_problem("3.3.1") is None
+    assert V.paddle_problem("0.0.0") is None  # a source build
+    assert V.paddle_untested("3.4.0") and V.paddle_untested("3.3.1") is None
+    assert V.triton_problem("3.6.0") is None and ">=3.6,<3.7" in V.triton_problem("3.7.0")
+    assert V.triton_problem("3.5.1")
+
+    installed = {"paddlepaddle-gpu": "3.1.0"}
+
+    def version(name):
+        if name not in installed:
+            raise V.importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(V.importlib.metadata, "version", version)
+    assert V.installed_paddle() == ("paddlepaddle-gpu", "3.1.0")
+    with pytest.raises(ImportError, match=r"needs Paddle >=3.2,<3.4, found 3.1.0"):
+        V.check_versions()
+    installed["paddlepaddle-gpu"] = "3.4.0"
+    with pytest.warns(RuntimeWarning, match="tested with Paddle >=3.2,<3.4, found 3.4.0"):
+        V.check_versions()
+    installed.clear()
+    V.check_versions()  # no Paddle (the kernels alone, under torch): nothing to check
+    monkeypatch.setattr(B.versions, "triton_problem", lambda v: f"triton {v} is outside the supported range")
+    status = paddlenlp_fused.available_backends("gpu")["triton"]
+    assert not status.available and "outside the supported range" in status.reason
+
+
+def test_import_fails_clearly_on_an_old_paddle(tmp_path):
+    """A Paddle older than the range: ``import paddlenlp_fused`` raises ImportError naming the range
+    (before any op can fail with an AttributeError deep in Paddle)."""
+    dist = tmp_path / "paddlepaddle-3.1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: paddlepaddle\nVersion: 3.1.0\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path)] + sys.path))
+    proc = subprocess.run([sys.executable, "-c", "import paddlenlp_fused"], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "ImportError: paddlenlp_fused needs Paddle >=3.2,<3.4, found 3.1.0" in proc.stderr, \
+        proc.stderr[-2000:]
+
+
+def test_paddle_driver_is_scoped_and_restored(monkeypatch):
+    """The Paddle driver replaces Triton's active driver and allocator only until it is restored
+    (or its scope ends): a torch Triton kernel in the same process gets its own driver back."""
+    from triton.runtime import _allocation, driver
+
+    from paddlenlp_fused.runtime import triton_paddle
+
+    sentinel = type("Driver", (), {"api": object()})()
+    monkeypatch.setattr(triton_paddle, "make_driver", lambda api=None: sentinel)
+    monkeypatch.setattr(triton_paddle, "_paddle_driver", None)
+    monkeypatch.setattr(triton_paddle, "_previous", None)
+    before, allocator = driver._active, _allocation._allocator.get()
+    with triton_paddle.paddle_triton_driver() as active:
+        assert active is sentinel and driver._active is sentinel
+        assert _allocation._allocator.get() is not allocator
+        with triton_paddle.paddle_triton_driver():  # nested: the outer scope restores
+            pass
+        assert driver._active is sentinel
+    assert driver._active is before and _allocation._allocator.get() is allocator
+    triton_paddle.install_paddle_driver()
+    assert driver._active is sentinel
+    triton_paddle.restore_triton_driver()
+    assert driver._active is before and _allocation._allocator.get() is allocator
+
+
+def test_cuda_backend_reports_an_old_driver():
+    from paddlenlp_fused.kernels.cuda import library
+
+    assert "no NVIDIA driver" in library.driver_problem((13, 0), None)
+    problem = library.driver_problem((13, 0), 12080)
+    assert "supports CUDA 12.8" in problem and "built with CUDA 13.0" in problem
+    assert library.driver_problem((13, 0), 13000) is None and library.driver_problem((13, 0), 13020) is None
+    assert library.driver_problem((12, 4), 12020) is None  # minor-version compatibility
+    if library.library_path().is_file():
+        assert library.runtime_version(library.library_path())[0] >= 11
+        if library.driver_version() is None:  # this machine has no driver: reported, not raised
+            available, reason = library.status()
+            assert not available and "no NVIDIA driver" in reason
+            with pytest.raises(RuntimeError, match="CUDA kernel library unavailable: no NVIDIA driver"):
+                library.get()

@@ -20,7 +20,7 @@ from paddle.autograd import PyLayer
 from ..kernels.cuda import causal_conv1d as cuda_conv
 from ..kernels.triton import causal_conv1d as conv_kernels
 from ..reference import mamba as ref
-from ..runtime.backend import resolve_backend
+from ..runtime.backend import gpu_order, resolve_backend
 from ..runtime.triton_paddle import triton_args
 from ._checks import check_tensor, contiguous, device_of
 from ._pylayer import cast_like, check_shape, empty_on, grads_for, needs_grad, run_in_place, zeros32_on
@@ -71,7 +71,7 @@ def _check_conv_args(x, weight, bias, seq_idx, initial_states, activation):
 # silu (channel-first, as the ops hand x to the kernels) the Triton kernels take 0.071 ms forward,
 # 0.149 ms backward, 0.217 ms fwd+bwd; the CUDA kernels 0.150 / 0.353 / 0.500 ms
 # (benchmarks/results/causal_conv1d.json, 2026-11-30). The decoding step follows the same order (not timed).
-AUTO_ORDER = ("triton", "cuda")
+AUTO_ORDER = gpu_order("causal_conv1d")
 _KERNELS = {"triton": conv_kernels, "cuda": cuda_conv}
 
 

@@ -36,7 +36,7 @@ from ..kernels.triton import selective_scan as scan_kernels
 from ..kernels.triton.state_update import selective_state_update as state_update_launch
 from ..reference import mamba as ref
 from ..runtime import tensor as T
-from ..runtime.backend import resolve_backend
+from ..runtime.backend import gpu_order, resolve_backend
 from ..runtime.triton_paddle import triton_args
 from ._checks import check_tensor, contiguous, device_of
 from ._pylayer import cast_like, check_shape, empty_on, grads_for, needs_grad, run_in_place, zeros32_on
@@ -49,7 +49,7 @@ _SCAN_KERNELS = {"cuda": cuda_scan, "triton": scan_kernels}
 # at the canonical [8, 4096, 2048] dstate 16 bf16 case (2026-11-30, round A runs) the Triton kernels
 # took fwd 0.575 / bwd 2.98 ms, the CUDA ones 2.20 / 6.16 ms; CUDA runs when Triton cannot (complex
 # A among them: Triton takes real A only) or when asked for.
-SCAN_AUTO_ORDER = ("triton", "cuda")
+SCAN_AUTO_ORDER = gpu_order("selective_scan")
 COMPLEX_A_BACKENDS = ("cuda", "reference")  # the Triton scan takes real A only
 CUDA_MAX_DSTATE = 256  # shared-memory carries of csrc/selective_scan.cu
 CUDA_MAX_BATCH = 65535  # grid y

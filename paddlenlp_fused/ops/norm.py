@@ -17,24 +17,14 @@ from ..kernels.cuda import norm as cuda_norm
 from ..kernels.triton import norm as triton_norm
 from ..reference.norm import layer_norm_ref, rmsnorm_gated_ref
 from ..runtime import tensor as T
-from ..runtime.backend import resolve_backend
+from ..runtime.backend import gpu_order, resolve_backend
 from ..runtime.triton_paddle import triton_args
 from ._checks import check_eps, check_tensor, contiguous, device_of
 from ._pylayer import grads_for, needs_grad
 
-# ``auto`` on the GPU, LayerNorm and RMSNorm: the backend tried first, by hidden size N, from the
-# hidden-size sweep in benchmarks/results/{layer_norm,rms_norm}.json (H200, bf16, fwd+bwd, M*N = 2^26,
-# eager launcher calls; Triton's launches go straight to the compiled kernels, so its eager figures
-# equal its CUDA-graph ones within 2%). LayerNorm / RMSNorm ms, Triton vs CUDA:
-#   N = 1024  0.216 vs 0.198 / 0.183 vs 0.189      N = 8192   0.234 vs 0.229 / 0.211 vs 0.208
-#   N = 2048  0.197 vs 0.202 / 0.183 vs 0.187      N = 16384  0.269 vs 0.351 / 0.251 vs 0.303
-#   N = 4096  0.180 vs 0.211 / 0.178 vs 0.195      N >= 32768 Triton by 16-26%
-# Triton goes first where both norms agree it is faster (1024 < N <= 4096, N > 8192); CUDA at
-# N = 8192 (by 1-2%) and at N <= 1024 (LayerNorm by 8%; RMSNorm there is 3% faster on Triton).
 def auto_order(N: int) -> tuple:
-    """GPU backends in the order ``auto`` tries them for rows of N elements."""
-    triton_first = 1024 < N <= 4096 or N > 8192
-    return ("triton", "cuda") if triton_first else ("cuda", "triton")
+    """GPU backends in the order ``auto`` tries them for rows of N elements (runtime.backend.AUTO_ORDER)."""
+    return gpu_order("layer_norm", N=N)
 
 
 _KERNELS = {"triton": triton_norm, "cuda": cuda_norm}

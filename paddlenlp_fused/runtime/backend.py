@@ -58,8 +58,32 @@ def use_backend(name: str):
         _override.reset(token)
 
 
-def interpreter_enabled() -> bool:
+def _env_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+_interpret_mode: Optional[bool] = None
+
+
+def interpreter_enabled() -> bool:
+    """Whether Triton runs in interpreter mode in this process, decided once, at the first ask
+    (the first op call or backend query): Triton picks interpreted or compiled kernels when their
+    modules are imported, so a later change of TRITON_INTERPRET cannot switch them."""
+    global _interpret_mode
+    if _interpret_mode is None:
+        _interpret_mode = _env_interpret()
+    return _interpret_mode
+
+
+def interpreter_mode_changed() -> Optional[str]:
+    """Why the current TRITON_INTERPRET does not hold for this process, or None."""
+    mode = interpreter_enabled()
+    if _env_interpret() == mode:
+        return None
+    now = "set" if _env_interpret() else "unset"
+    return (f"TRITON_INTERPRET was {now} after paddlenlp_fused decided Triton's mode (interpreter "
+            f"{'on' if mode else 'off'}) at its first use; it stays {'on' if mode else 'off'} in this process: "
+            f"set TRITON_INTERPRET before importing paddlenlp_fused")
 
 
 def _triton_status(device: str) -> BackendStatus:
@@ -70,12 +94,16 @@ def _triton_status(device: str) -> BackendStatus:
     problem = versions.triton_problem(triton.__version__)
     if problem:
         return BackendStatus(False, problem)
+    changed = interpreter_mode_changed()
     if device == "gpu":
+        if interpreter_enabled():
+            return BackendStatus(False, "Triton is in interpreter mode (TRITON_INTERPRET=1), which runs CPU "
+                                        "tensors only" + (f" ({changed})" if changed else ""))
         return BackendStatus(True, f"triton {triton.__version__} on the GPU")
     if interpreter_enabled():
         return BackendStatus(True, f"triton {triton.__version__} in interpreter mode (TRITON_INTERPRET=1)")
-    return BackendStatus(False, "Triton runs CPU tensors only in interpreter mode: set TRITON_INTERPRET=1 "
-                                "before importing paddlenlp_fused")
+    return BackendStatus(False, changed or "Triton runs CPU tensors only in interpreter mode: set TRITON_INTERPRET=1 "
+                                           "before importing paddlenlp_fused")
 
 
 def _cuda_status(device: str) -> BackendStatus:
@@ -112,13 +140,38 @@ def available_backends(device: Optional[str] = None) -> Dict[str, BackendStatus]
     return {name: backend_status(name, device) for name in BACKENDS}
 
 
+def _norm_order(N: int) -> tuple:
+    """LayerNorm / RMSNorm by hidden size N: Triton first where it is faster for both norms
+    (1024 < N <= 4096, N > 8192), CUDA at N <= 1024 and N = 8192."""
+    return ("triton", "cuda") if 1024 < N <= 4096 or N > 8192 else ("cuda", "triton")
+
+
+# ``auto`` on GPU tensors: the backends each op tries, in this order (the first that is built and
+# supports the call runs; measurements behind the choices: benchmarks/NOTES.md). A tuple, or a
+# function of the call's case (``gpu_order(op, **case)``). Ops not listed: DEFAULT_GPU_ORDER.
+DEFAULT_GPU_ORDER = ("cuda", "triton")
+AUTO_ORDER = {
+    "layer_norm": _norm_order,  # case: N, the hidden size
+    "rms_norm": _norm_order,
+    "selective_scan": ("triton", "cuda"),  # (and mamba_inner, which runs the same scans)
+    "causal_conv1d": ("triton", "cuda"),
+}
+
+
+def gpu_order(op: str, **case) -> tuple:
+    """The GPU backends ``auto`` tries for ``op``, in order (see AUTO_ORDER)."""
+    order = AUTO_ORDER.get(op, DEFAULT_GPU_ORDER)
+    return tuple(order(**case) if callable(order) else order)
+
+
 def resolve_backend(op: str, requested: Optional[str], device: str, implemented: Sequence[str],
                     unsupported: Optional[Callable[[str], Optional[str]]] = None,
-                    prefer: Sequence[str] = ("cuda", "triton")) -> str:
+                    prefer: Optional[Sequence[str]] = None) -> str:
     """Pick the backend for one call of ``op``.
 
     ``implemented``: backends the op has. ``unsupported(name)`` returns why that backend cannot take
-    this particular case (shape, width, dtype), or None. ``prefer``: GPU order for automatic choice.
+    this particular case (shape, width, dtype), or None. ``prefer``: GPU order for automatic choice
+    (default ``gpu_order(op)``).
     """
     name = _check_name(requested if requested is not None else "auto", f"{op}(backend)")
     if name == "auto":
@@ -134,7 +187,7 @@ def resolve_backend(op: str, requested: Optional[str], device: str, implemented:
             raise BackendUnavailableError(f"{op}: backend {name!r} does not support this call: {why}")
         return name
 
-    order = list(prefer) if device == "gpu" else ["triton"]
+    order = list(prefer if prefer is not None else gpu_order(op)) if device == "gpu" else ["triton"]
     skipped = []
     for candidate in order:
         if candidate not in implemented:
