@@ -32,9 +32,8 @@ namespace {
 
 constexpr int kMaxWidth = 4;
 constexpr int kHalo = kMaxWidth - 1;
-// Launch geometry. A tuning run rebuilds this file alone with -D overrides; on the H200 at
-// [8, 4096, 2048] bf16, 128 threads x 2 vectors (the default) beat 128 x 1, 256 x 1, 256 x 2 and 64 x 4
-// (a sweep before the loads were reordered).
+// Launch geometry: the defaults won a sweep on the H200 (benchmarks/NOTES.md); a tuning run rebuilds
+// this file alone with -D overrides.
 #ifndef PNF_CONV_SEQ_THREADS
 #define PNF_CONV_SEQ_THREADS 128
 #endif

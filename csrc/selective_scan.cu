@@ -46,11 +46,7 @@
 
 namespace {
 
-// Launch choices from the H200 sweeps at [8, 4096, 2048] dstate 16 bf16 (device_jobs/cuda-scan.sh,
-// benchmarks/results/selective_scan.json): the forward took 2.2 ms at 1, 2 or 4 warps a block (3.0 at
-// 8; 8 steps a lane: 2.5 ms; two states an iteration: 3.0 ms); the backward 7.7 ms at 4 warps, 6.5 ms
-// capped at 128 registers and 6.1 ms capped with 8 warps a block. (A thread-a-row variant with every
-// state in registers, like the Triton kernels, measured 3.5 ms forward and 10.5 ms backward.)
+// Launch choices from the H200 sweeps at the benchmark shape (timings: benchmarks/NOTES.md).
 constexpr int kBwdItems = 8;                  // steps a backward lane holds (more tiles stay alive)
 constexpr int kSegment = 32 * kBwdItems;      // backward chunk = the forward's state interval
 constexpr int kMaxWarps = 8;
@@ -64,9 +60,6 @@ constexpr unsigned kFull = 0xffffffffu;
 // most warps a backward block takes (its dB/dC staging buffer holds twice the floats a step), and the
 // backward's register cap (kBwdMinBlocks blocks of kBwdMaxWarps a multiprocessor: real 2 x 8 warps, 128
 // registers; complex 3 x 4 warps, 168 registers and about 50 bytes of spills, where 2 x 4 took 241).
-// H200, [8, 4096, 2048] dstate 16 bf16, input-dependent B/C, every option: complex fwd 5.7 ms at 1, 2
-// or 4 warps a block (7.7 at 8); complex bwd 14.3 ms at 4 warps (18.3 at 2, 32.9 at 1), 19.2 ms with
-// 2 blocks of 4 warps; real A 2.2 / 6.2 ms.
 template <bool kComplex>
 struct Plan {
   static constexpr int kComps = kComplex ? 2 : 1;

@@ -19,15 +19,13 @@ return_final_states=False, return_varlen_states=False)``:
 Backends: ``reference`` (pure Paddle SSD in float32, differentiable by autograd) and ``triton``
 (``kernels/triton/ssd.py``: the chunked forward in five stages inside a PyLayer whose backward runs
 ``kernels/triton/ssd_backward.py``). The Triton kernels take chunk sizes that are powers of two
-(>= 16 on the GPU); ``auto`` falls back to the reference for other sizes, and while the backward
-module is absent it also falls back whenever an input requires a gradient. On the Triton backend the
+(>= 16 on the GPU); ``auto`` falls back to the reference for other sizes. On the Triton backend the
 varlen states are not differentiable (use the reference backend to train through them);
 final_states are.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import numpy as np
@@ -43,7 +41,6 @@ from ._checks import check_tensor, contiguous, device_of
 from ._pylayer import cast_like, check_shape, empty_on, grads_for, needs_grad, zeros32_on
 
 IMPLEMENTED = ("reference", "triton")
-_BACKWARD_MODULE = "paddlenlp_fused.kernels.triton.ssd_backward"
 _INT_DTYPES = ("int32", "int64")
 
 
@@ -112,11 +109,7 @@ def cu_seqlens_to_seq_idx(bounds, seqlen):
     return paddle.to_tensor(np.repeat(np.arange(lengths.size, dtype=np.int32), lengths)[None, :seqlen])
 
 
-def _backward_available() -> bool:
-    return importlib.util.find_spec(_BACKWARD_MODULE) is not None
-
-
-def _triton_unsupported(chunk_size, wants_grad):
+def _triton_unsupported(chunk_size):
     def why(name):
         if name != "triton":
             return None
@@ -124,8 +117,6 @@ def _triton_unsupported(chunk_size, wants_grad):
             K.check_chunk_size(int(chunk_size))
         except ValueError as exc:
             return str(exc)
-        if wants_grad and not _backward_available():
-            return "the SSD backward kernels (kernels/triton/ssd_backward.py) are not available"
         return None
     return why
 
@@ -206,9 +197,8 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     bounds = _check_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_limit,
                          return_varlen_states)
     device = device_of(x)
-    wants_grad = paddle.is_grad_enabled() and any(needs_grad(x, dt, A, B, C, D, z, dt_bias, initial_states))
     chosen = resolve_backend("mamba_chunk_scan_combined", backend, device, implemented=IMPLEMENTED,
-                             unsupported=_triton_unsupported(chunk_size, wants_grad))
+                             unsupported=_triton_unsupported(chunk_size))
     if bounds is not None:
         seq_idx = cu_seqlens_to_seq_idx(bounds, x.shape[1])
     states_at = (bounds[1:] - 1).tolist() if return_varlen_states else None

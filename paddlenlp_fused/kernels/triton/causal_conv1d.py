@@ -410,12 +410,8 @@ def tiles(x, dim: int, seqlen: int, width: int, backward: bool, block_d=None, bl
     caps BLOCK_L. Channel-first x (seqlen contiguous): one row's run of positions a tile (2048 in the
     forward, 1024 in the backward; more dims when the rows are shorter) and 16 positions a thread, as
     CHUNK-long runs (16 bytes of x; the backward also at least w - 1). Otherwise (dim contiguous or
-    any strides) the transpose, CHUNK 1 in the forward. CHUNK divides BLOCK_L.
-    The H200 sweep at [8, 4096, 2048] bf16, width 4 (device round A, 2026-11-30) chose these: forward
-    1 x 2048 / 4 warps 0.071 ms (2 x 1024 / 4 0.077, 2 x 512 / 2 0.077, 4 x 512 / 4 0.082, 16
-    positions a thread in all the best; 8 a thread 0.083-0.085, 32 a thread 0.081; 16-position chunks
-    0.126-0.158); backward 1 x 1024 / 2 warps 0.148 ms (1 x 2048 / 4 0.151, 2 x 1024 / 4 0.154,
-    16-position chunks 0.28-0.37)."""
+    any strides) the transpose, CHUNK 1 in the forward. CHUNK divides BLOCK_L. These won an H200
+    sweep at the benchmark shape (benchmarks/NOTES.md)."""
     seq_major = T.strides(x)[2] == 1 or seqlen == 1
     if chunk is None:
         vector = 16 // T.itemsize(x) if seq_major or backward else 1

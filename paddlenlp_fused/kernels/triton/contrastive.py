@@ -64,7 +64,7 @@ from .interpreter_compat import INTERPRETING, dot_operand
 _LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E): the kernels work in exp2
 _LN2 = tl.constexpr(0.6931471805599453)
 PRECISIONS = ("ieee", "tf32", "bf16")
-GRAD_CHUNK = 8192  # rows and columns of one materialised G chunk (faster than 4096 on the H200)
+GRAD_CHUNK = 8192  # rows and columns of one materialised G chunk (beat 4096 on the H200)
 
 
 @triton.jit
@@ -285,18 +285,13 @@ class TileConfig(NamedTuple):
     block_k: int | None = None
 
 
-# From the H200 sweeps at 65536 x 512 (benchmarks/cases/contrastive.py, device_jobs/losses.sh).
-# 16-bit tiles (bf16/fp16 inputs, or fp32 inputs staged in bf16): forward 128x128x64, 3 stages, the
-# column loop flattened with the D loop (staged fp32 inputs, results/contrastive.json: 10.3 ms;
-# unflattened 11.4; earlier, with bf16 copies: 4 stages 21.4, 128x64 27.5); score gradient 128x64
-# for the symmetric loss (its three column vectors cost 32 registers each at 128 columns in the MMA
-# layout: 252 registers at 128x128, 127 at 128x64), 128x128 for one direction; gradient products
-# 128x256, 3 stages, 8192-chunks (backward 27.0 ms; 128x64 score gradient 29.4; 128x128 4-stage
-# products 29.5). K steps of 128 bytes of the input: 32 fp32 elements keep fp32 G tiles (tf32/ieee)
-# within shared memory. Staging a and b ("ab") against b only: 10.3 + 27.0 against 18.7 + 33.0 ms.
-# fp32 a rounded in registers (round A, b staged): forward 128x128x32 unflattened 18.2 ms (flattened
-# 31.7: the fp32 tiles leave the flattened pipeline), score gradient 128x128x32 with the 128x256x64
-# products 34.7 ms (128x64 38.5, 128x128 products 37.3).
+# The winners of the H200 sweeps at 65536 x 512 (timings: benchmarks/NOTES.md). 16-bit tiles (bf16/fp16
+# inputs, or fp32 inputs staged in bf16): forward 128x128x64, 3 stages, the column loop flattened with
+# the D loop; score gradient 128x64 for the symmetric loss (its three column vectors cost 32 registers
+# each at 128 columns in the MMA layout: 252 registers at 128x128, 127 at 128x64), 128x128 for one
+# direction; gradient products 128x256, 3 stages, 8192-chunks. K steps of 128 bytes of the input: 32
+# fp32 elements keep fp32 G tiles (tf32/ieee) within shared memory. fp32 a rounded in registers: the
+# forward unflattened at K 32 (the fp32 tiles leave the flattened pipeline).
 DEFAULT_CONFIGS = {"fwd": TileConfig(flatten=True), "fwd_rounding": TileConfig(block_k=32),
                    "grad": TileConfig(128, 128), "grad_symmetric": TileConfig(128, 64),
                    "matmul": TileConfig(128, 256, 8, 3)}

@@ -171,7 +171,7 @@ def _scan_from(carry, decay, x, steps):
 def _add_over_dims(ptrs, x, mask):
     """Atomically adds x [CHUNK, R, BLOCK_N, L] summed over its dims to ptrs [CHUNK, BLOCK_N]: the R
     in-thread dims first, then the L dims across lanes (shuffles). One atomic per (step, state) and
-    program: splitting the lane sum over 2 or 4 atomics measured no faster (4: 1.25x the backward)."""
+    program: splitting the lane sum over 2 or 4 atomics was no faster on the H200."""
     tl.atomic_add(ptrs, tl.sum(tl.sum(x, axis=1), axis=2), mask=mask, sem="relaxed")
 
 
@@ -268,7 +268,7 @@ def _selective_scan_fwd_kernel(
                          s_C_n, s_C_l, B_VARIABLE, C_VARIABLE, CHUNK)
     for c in range(num_chunks):
         t64, mask_t, mask = _chunk_steps(c, steps, mask_d, seqlen, CHUNK)
-        cur = tiles  # loaded one chunk ahead: 0.64 -> 0.58 ms forward at the canonical case
+        cur = tiles  # loaded one chunk ahead: the loads overlap this chunk's scan
         tiles = _chunk_tiles(c + 1, u_col, dt_col, z_col, z_col, B_ptr, C_ptr, b64, group, d64, n, steps, mask_d,
                              mask_n, seqlen, s_u_l, s_dt_l, s_z_l, s_z_l, s_B_b, s_B_g, s_B_d, s_B_n, s_B_l, s_C_b,
                              s_C_g, s_C_d, s_C_n, s_C_l, B_VARIABLE, C_VARIABLE, CHUNK)
@@ -338,7 +338,7 @@ def _selective_scan_bwd_kernel(
     for si in range(num_segments):
         seg = num_segments - 1 - si
         # pass 1: the segment's chunk-start states, from the state saved at the previous segment's end.
-        # Both passes load each chunk's tiles one chunk ahead (3.15 -> 2.98 ms at the canonical case).
+        # Both passes load each chunk's tiles one chunk ahead (overlapping the loads with the scan).
         c0 = seg * seg_chunks
         h = tl.load(st_nd + (seg - 1) * s_st_s, mask=mask_nd & (seg > 0), other=0.0)
         tl.store(work_nd, h, mask=mask_nd)
@@ -447,12 +447,10 @@ def _selective_scan_bwd_kernel(
 # launchers
 
 CHUNK = 8  # steps each thread of the forward scans in registers; the backward, half as many
-# State elements (steps x in-thread states x in-thread dims) a thread holds per tile. Swept on the
-# H200 at [8, 4096, 2048] dstate 16 bf16 (2026-11-30): forward 32 dims a program 0.58 ms (loads one
-# chunk ahead; without: 0.64, and 16 dims 0.68, 64 dims 0.66); backward 16 dims, 2 of them in each
-# thread, 4 steps a chunk 2.98 ms (1 dim a thread: 3.48, 4: 3.37; 8 dims: 4.22; 8 steps a chunk:
-# 3.19; the earlier layout, 8 dims one a lane and 8 steps: 3.34). The backward's sums over dims add
-# the in-thread pairs before shuffling.
+# State elements (steps x in-thread states x in-thread dims) a thread holds per tile: the winners of
+# an H200 sweep at the benchmark shape (benchmarks/NOTES.md), forward 32 dims a program, backward 16
+# dims, 2 of them in each thread, 4 steps a chunk. The backward's sums over dims add the in-thread
+# pairs before shuffling.
 FWD_ELEMS_PER_THREAD = 128
 BWD_ELEMS_PER_THREAD = 32
 BWD_DIM_REGS = 2

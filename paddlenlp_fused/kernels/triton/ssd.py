@@ -31,7 +31,7 @@ Stages (one launch each), with ``cs`` = dA_cumsum:
     new run ends chunk c (seq_idx), exactly as the reference.
  3+4 fused (once batch * nheads >= FUSED_MIN_ROWS, or ``SSDConfig.fuse_state_passing``): one program
     per (p, n) tile, batch and head walks all tokens, the state in registers; half the memory traffic
-    of 3 and 4 (0.174 ms, states in bf16, instead of 0.209 + 0.144 at the canonical shape on the H200).
+    of 3 and 4.
  5. chunk scan: ``y_t = sum_{s<=t, same run} CB_ts exp(cs_t - cs_s) dt_s x_s
     + exp(cs_t) C_t states[c]^T (if t is in the run that entered the chunk) + D x_t``, then the gate.
     By default a program walks the token tiles of one chunk (entering state read once), loads the CB
@@ -41,7 +41,7 @@ Stages (one launch each), with ``cs`` = dA_cumsum:
 
 Stages 3, 3+4 and 5 are autotuned (``triton.autotune``) on the GPU for 16-bit inputs once batch *
 nchunks * nheads reaches ``TUNE_MIN_PROGRAMS`` and no ``config`` is given; otherwise they take
-``SSDConfig``'s tiles.
+``SSDConfig``'s tiles. Both live in ``ssd_tuning.py``.
 
 Matmuls run on ``tl.dot`` with 16-bit operands for 16-bit inputs (the fp32 decay-weighted factors and
 the fp32 entering state are rounded to x's dtype, as an fp32-accumulating bf16 GEMM would; optionally
@@ -60,54 +60,10 @@ import triton.language as tl
 
 from ...runtime import tensor as T
 from .interpreter_compat import INTERPRETING, dot_operand
+from .ssd_tuning import (DEFAULT_CONFIG, FUSED_CONFIGS, FUSED_MIN_ROWS, SCAN_CONFIGS, STATE_CONFIGS,
+                         TUNE_MIN_PROGRAMS, SSDConfig)
 
 
-class SSDConfig(NamedTuple):
-    """Tile sizes (powers of two; clipped to the problem) and launch options of the stages. Defaults:
-    the best of the H200 sweep at the canonical shape (x [4, 4096, 64, 128] bf16, dstate 128, chunk
-    256) of an earlier round; that shape now takes the autotuned kernels (``_SCAN_CONFIGS``,
-    ``_FUSED_CONFIGS``), these serve the interpreter and small problems."""
-    cumsum_block_h: int = 8
-    cb_block: int = 64           # CB tile [cb_block, cb_block], dstate steps of 64
-    state_block_p: int = 128     # chunk-state tile [p, n], token steps
-    state_block_n: int = 64
-    state_block_k: int = 64
-    state_warps: int = 8
-    state_stages: int = 3
-    pass_block: int = 2048       # state passing: p*n elements per program
-    # stages 3+4 fused: one program per (p, n) tile, batch and head walks the tokens (the state never
-    # leaves registers, no round trip of the own states through memory); fewer, sequential programs.
-    # None: fused once batch * nheads >= FUSED_MIN_ROWS (enough programs to fill the GPU)
-    fuse_state_passing: Optional[bool] = None
-    fused_block_p: int = 64
-    fused_block_n: int = 64
-    fused_block_k: int = 128     # tokens per step (divides chunk_size)
-    fused_warps: int = 4
-    fused_stages: int = 2
-    scan_block_m: int = 64       # chunk-scan tile [tokens, p], token steps, dstate steps
-    scan_block_p: int = 128
-    scan_block_k: int = 64
-    scan_block_n: int = 128
-    scan_warps: int = 4
-    scan_stages: int = 2
-    # chunk-scan programs of one chunk and token tile for all heads run side by side (head = fastest
-    # program id), so the C, B and CB tiles they share are read from L2 (0.74 -> 0.60 ms in the sweep)
-    scan_heads_first: bool = True
-    # a chunk-scan program walks all token tiles of its chunk (for dstate <= 256): the fp32 entering
-    # state is read once per (chunk, head, headdim tile) instead of once per token tile
-    scan_m_loop: bool = True
-    # bf16 only: the intra-chunk weights (C.B * decay * dt, fp32) go into the matmul as two bf16 terms
-    # (8 more bits; y's error against float64 1.7e-3 instead of 2.4e-3 at the canonical shape) for one
-    # more matmul (~0.05 ms of the canonical forward). Off: one term is what any bf16 GEMM of these
-    # weights gives, well inside DESIGN's bound. (The CPU suite's dz errors past the bound with one term
-    # came from the interpreter truncating the bf16 cast; ``interpreter_compat`` now makes it round as the GPU does.)
-    split_scores: bool = False
-    # chunk scan recomputes its C.B blocks by matmul (C tile kept in registers) instead of loading
-    # the fp32 CB written by stage 2 (which the backward reads); for dstate <= 256
-    recompute_cb: bool = False
-
-
-DEFAULT_CONFIG = SSDConfig()
 _ONE_DSTATE_TILE_MAX = 256  # dstate up to which the chunk scan may hold all of it in one tile
 # the interpreter runs every program in Python: big tiles, few programs
 _INTERPRETER_TILE = 16
@@ -504,9 +460,8 @@ def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, CB_ptr, dt_out_ptr, cs_ptr, states_p
 
 
 # ----------------------------------------------------------------------------------------------------
-# autotuned variants of stages 3/4 and 5 for large GPU problems: the best configs of the H200 sweep
-# (about 2x between tile choices of the chunk scan) and a few untried neighbours; the interpreter and
-# small problems use SSDConfig's tiles
+# autotuned variants of stages 3/4 and 5 for large GPU problems (configs: ssd_tuning.py); the
+# interpreter and small problems use SSDConfig's tiles
 
 def _pow2_at_least_16(n: int) -> int:
     return max(16, triton.next_power_of_2(int(n)))
@@ -541,35 +496,14 @@ def _prune_tile_configs(configs, named_args, **kwargs):
                                   "BLOCK_N": _pow2_at_least_16(named_args["dstate"])})
 
 
-# (BLOCK_M, BLOCK_P, BLOCK_K, warps, stages, RECOMPUTE_CB, M_LOOP); the last one serves dstate > 256 and is
-# the H200's pick at the canonical shape (sweep, whole forward: 0.707 ms; recomputing C.B 0.736, walking the
-# token tiles 0.767-0.777, 128-token tiles with 8 warps 0.82-0.97)
-_SCAN_CONFIGS = [triton.Config(dict(BLOCK_M=bm, BLOCK_P=bp, BLOCK_K=bk, RECOMPUTE_CB=rc, M_LOOP=ml, HEADS_FIRST=True),
-                               num_warps=w, num_stages=st)
-                 for bm, bp, bk, w, st, rc, ml in ((64, 128, 32, 4, 3, False, True), (64, 128, 64, 4, 2, False, True),
-                                                   (64, 128, 64, 4, 3, False, True), (64, 128, 32, 4, 2, False, True),
-                                                   (64, 128, 64, 4, 2, True, False), (64, 128, 64, 4, 2, False, False))]
-_chunk_scan_tuned = triton.autotune(_SCAN_CONFIGS, key=["CHUNK", "headdim", "dstate", "ngroups", "HAS_SEQ", "HAS_Z"],
+_chunk_scan_tuned = triton.autotune(SCAN_CONFIGS, key=["CHUNK", "headdim", "dstate", "ngroups", "HAS_SEQ", "HAS_Z"],
                                     prune_configs_by={"early_config_prune": _prune_scan_configs})(_chunk_scan_kernel)
-# (BLOCK_P, BLOCK_N, BLOCK_K, warps, stages)
-_STATE_CONFIGS = [triton.Config(dict(BLOCK_P=bp, BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=st)
-                  for bp, bn, bk, w, st in ((128, 64, 64, 8, 3), (64, 128, 32, 4, 3), (128, 128, 32, 8, 2))]
-_chunk_state_tuned = triton.autotune(_STATE_CONFIGS, key=["CHUNK", "headdim", "dstate", "ngroups", "HAS_SEQ"],
+_chunk_state_tuned = triton.autotune(STATE_CONFIGS, key=["CHUNK", "headdim", "dstate", "ngroups", "HAS_SEQ"],
                                      prune_configs_by={"early_config_prune": _prune_tile_configs})(_chunk_state_kernel)
-# (BLOCK_P, BLOCK_N, BLOCK_K, warps, stages). H200 sweep, canonical shape, bf16 states, whole forward with
-# a fixed chunk scan: (128, 64, 128, 4, 2) 0.662 ms, (64, 128, 128, 4, 2) 0.686, (128, 128, 128, 8, 2) 0.687,
-# (128, 128, 64, 8, 3) 0.716, (64, 64, 128, 4, 2) 0.736, (128, 128, 256, 8, 1) 0.734, (64, 128, 256, 4, 2)
-# 0.891; the others untried (all compile without spills for headdim = dstate = 128)
-_FUSED_CONFIGS = [triton.Config(dict(BLOCK_P=bp, BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=st)
-                  for bp, bn, bk, w, st in ((128, 64, 128, 4, 2), (128, 64, 128, 4, 3), (128, 64, 64, 4, 3),
-                                            (64, 128, 128, 4, 2), (128, 128, 128, 8, 2), (128, 128, 64, 8, 3),
-                                            (64, 64, 128, 4, 2), (64, 64, 128, 4, 3), (128, 64, 128, 8, 2))]
-_fused_states_tuned = triton.autotune(_FUSED_CONFIGS, key=["CHUNK", "headdim", "dstate", "ngroups", "HAS_SEQ",
+_fused_states_tuned = triton.autotune(FUSED_CONFIGS, key=["CHUNK", "headdim", "dstate", "ngroups", "HAS_SEQ",
                                                            "HAS_INIT"],
                                       prune_configs_by={"early_config_prune": _prune_tile_configs})(
     _fused_state_passing_kernel)
-TUNE_MIN_PROGRAMS = 2048  # batch * nchunks * nheads from which the tuned kernels run
-FUSED_MIN_ROWS = 128      # batch * nheads from which stages 3 and 4 run fused (SSDConfig.fuse_state_passing=None)
 
 
 def tuned_configs():

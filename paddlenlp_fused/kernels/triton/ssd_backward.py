@@ -593,9 +593,9 @@ def _dx_config(K, N, P, dtype):
         return TUNING["dx"]
     if dtype == "float32":  # tf32x3 products take three times the registers: half of headdim 128 per program
         return min(_pow2(K), 64), min(_pow2(K), 64), min(_pow2(N), 64), min(_pow2(P), 64), 8, 2, True, False
-    # measured on the H200 at headdim 128, dstate 128, chunk 256 (bf16): 128-token blocks despite a small
-    # spill (fewer re-reads of dS_c+1, B and dy), 4 warps spill more; heads first shares CB/B in L2
-    # (round C: 32-token t steps 3 deep, 1.02 ms instead of 1.09 with 64-token steps 2 deep)
+    # the H200's pick at headdim 128, dstate 128, chunk 256 (bf16; benchmarks/NOTES.md): 128-token blocks
+    # despite a small spill (fewer re-reads of dS_c+1, B and dy), 4 warps spill more; heads first shares
+    # CB/B in L2; 32-token t steps 3 deep
     return min(_pow2(K), 128), min(_pow2(K), 32), min(_pow2(N), 64), min(_pow2(P), 128), 8, 3, True, False
 
 
@@ -603,8 +603,8 @@ def _dcb_config(K, P, heads_per_group, batch_chunks, dtype):
     if TUNING["dcb"] is not None:
         return TUNING["dcb"]
     # all heads of a group in one program (fewest atomics) unless that leaves too few programs; the head
-    # loop pipelined 3 deep (2 past headdim 128, for shared memory); 16-bit: 4 warps (H200, benchmark
-    # shape: 0.51 ms instead of 0.60 with 8), fp32 (tf32x3 products): 8
+    # loop pipelined 3 deep (2 past headdim 128, for shared memory); 16-bit: 4 warps (faster than 8 on the
+    # H200 at the benchmark shape), fp32 (tf32x3 products): 8
     per_split = heads_per_group if batch_chunks >= 32 else min(heads_per_group, 8)
     return min(_pow2(K), 64), per_split, 8 if dtype == "float32" else 4, 3 if _pow2(P) <= 128 else 2
 
@@ -614,7 +614,7 @@ def _state_dbdc_config(K, P, N, heads_per_group, dtype):
         return TUNING["state_dbdc"]
     if dtype == "float32":  # tf32x3 products: 64-token blocks
         return min(_pow2(K), 64), min(_pow2(N), 128), min(_pow2(P), 64), min(heads_per_group, 32), 8, 3
-    # H200, benchmark shape (bf16): 128-token blocks 2 deep, whole backward 2.32 ms instead of 2.44 with 64 x 3
+    # H200, benchmark shape (bf16): 128-token blocks 2 deep beat 64 x 3
     return min(_pow2(K), 128), min(_pow2(N), 128), min(_pow2(P), 64), min(heads_per_group, 32), 8, 2
 
 
