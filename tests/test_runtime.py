@@ -297,3 +297,19 @@ def test_cuda_backend_reports_an_old_driver():
             assert not available and "no NVIDIA driver" in reason
             with pytest.raises(RuntimeError, match="CUDA kernel library unavailable: no NVIDIA driver"):
                 library.get()
+
+
+def test_gpu_provider_reports_which_provider_runs_and_why(monkeypatch):
+    from paddlenlp_fused.testing import providers as P
+
+    class Stub:
+        name = "torch"
+
+    monkeypatch.setattr(P, "TorchProvider", Stub)
+    monkeypatch.setattr(P, "_torch_gpu_problem", lambda: None)
+    assert "CPU build" in P._paddle_gpu_problem()  # this machine's Paddle
+    with pytest.warns(UserWarning, match="GPU tensors from torch, because paddle .* is a CPU build"):
+        provider = P.gpu_provider()
+    assert isinstance(provider, Stub) and provider.selection.startswith("torch, because")
+    monkeypatch.setattr(P, "_torch_gpu_problem", lambda: "torch is not installed")
+    assert P.gpu_provider() is None

@@ -7,6 +7,8 @@ machine has torch and no Paddle build for sm_90). Both expose the same small API
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 
@@ -117,31 +119,45 @@ class PaddleProvider:
         return self.paddle.device.cuda.get_device_name()
 
 
-def _paddle_gpu_runs() -> bool:
+def _paddle_gpu_problem():
+    """Why Paddle cannot provide GPU tensors here, or None."""
     try:
         import paddle
-
-        if not (paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0):
-            return False
+    except ImportError:
+        return "paddle is not installed"
+    if not paddle.is_compiled_with_cuda():
+        return f"paddle {paddle.__version__} is a CPU build"
+    if paddle.device.cuda.device_count() == 0:
+        return "Paddle sees no GPU"
+    try:
         x = paddle.ones([4], dtype="float32").cuda()
-        return float((x * 2).sum()) == 8.0  # a wheel without this GPU's arch fails here
-    except Exception:
-        return False
+        if float((x * 2).sum()) != 8.0:
+            return "a Paddle GPU kernel computes a wrong result on this device"
+    except Exception as exc:  # (a wheel without this GPU's architecture fails here, in Paddle's own error types)
+        return f"a Paddle GPU kernel fails on this device ({type(exc).__name__}: {str(exc)[:200]})"
+    return None
 
 
-def _torch_gpu_runs() -> bool:
+def _torch_gpu_problem():
     try:
         import torch
-
-        return torch.cuda.is_available()
     except ImportError:
-        return False
+        return "torch is not installed"
+    return None if torch.cuda.is_available() else "torch sees no CUDA device"
 
 
 def gpu_provider():
-    """Paddle when a CUDA build of Paddle runs on the device, torch otherwise; None without a GPU."""
-    if _paddle_gpu_runs():
-        return PaddleProvider()
-    if _torch_gpu_runs():
-        return TorchProvider()
-    return None
+    """Paddle when a CUDA build of Paddle runs on the device, torch otherwise; None without a GPU.
+    Which one runs, and why the other does not, is in the provider's ``selection`` and is reported
+    with a warning (the suites' results depend on it)."""
+    paddle_problem = _paddle_gpu_problem()
+    if paddle_problem is None:
+        provider, selection = PaddleProvider(), "paddle: a CUDA build of Paddle runs on this device"
+    else:
+        torch_problem = _torch_gpu_problem()
+        if torch_problem is not None:
+            return None
+        provider, selection = TorchProvider(), f"torch, because {paddle_problem}"
+    provider.selection = selection
+    warnings.warn(f"paddlenlp_fused GPU tensors from {selection}", UserWarning, stacklevel=2)
+    return provider
