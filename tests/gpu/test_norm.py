@@ -371,6 +371,7 @@ def test_gated_rms_norm_matches_float64(provider, N, group_size, norm_before_gat
     assert_close("gated dweight", provider.to_numpy(dw), (g * xhat).sum(0), dtype)
 
 
+@pytest.mark.xdist_group("huge")
 @pytest.mark.parametrize("backend", sorted(KERNELS))
 def test_rows_past_2_31_elements(provider, backend):
     """x has 2^31 + 65536 elements: 64-bit row offsets in the forward and backward (tail rows)."""
