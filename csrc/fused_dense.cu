@@ -210,8 +210,39 @@ struct LtGemm {
   const void* aux;   // pre-activation / ReLU mask, written (forward) or read (backward)
   int64_t ld_aux;
   float alpha = 1.0f, beta = 0.0f;
-  int d_dtype = -1;  // a PnfDtype, or -1: the inputs' dtype
+  int d_dtype = -1;         // a PnfDtype, or -1: the inputs' dtype
+  bool cache_algo = false;  // remember the heuristic's choice per problem (see AlgoCache)
 };
+
+// The heuristic's algorithm per problem (sizes, strides, alignments, dtypes, workspace, index): a
+// chunked caller issues hundreds of GEMMs of a few shapes a step, and asking the heuristic each time
+// costs more host time than a chunk's GEMM takes on the GPU. Guarded by g_mutex; round-robin reuse.
+struct AlgoKey {
+  int64_t v[17];
+  bool operator==(const AlgoKey& o) const { return memcmp(v, o.v, sizeof(v)) == 0; }
+};
+constexpr int kAlgoCache = 128;
+AlgoKey g_algo_keys[kAlgoCache];
+LtAlgo g_algos[kAlgoCache];
+int g_algo_count = 0, g_algo_next = 0;
+
+bool find_algo(const AlgoKey& key, LtAlgo* algo) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  for (int i = 0; i < g_algo_count; ++i)
+    if (g_algo_keys[i] == key) {
+      *algo = g_algos[i];
+      return true;
+    }
+  return false;
+}
+
+void store_algo(const AlgoKey& key, const LtAlgo& algo) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_algo_keys[g_algo_next] = key;
+  g_algos[g_algo_next] = algo;
+  g_algo_next = (g_algo_next + 1) % kAlgoCache;
+  if (g_algo_count < kAlgoCache) ++g_algo_count;
+}
 
 const char* epilogue_name(uint32_t e) {
   switch (e) {
@@ -259,6 +290,12 @@ int run_gemm(int dtype, const LtGemm& g, int heuristic, void* workspace, size_t 
   const uint64_t max_ws = workspace_bytes;
   const uint32_t align_a = alignment(g.a, g.lda, itemsize), align_b = alignment(g.b, g.ldb, itemsize),
                  align_d = alignment(g.d, g.ldd, d_itemsize);
+  int device = 0;
+  cudaGetDevice(&device);  // handle_for_current_device above succeeded, so this does too
+  const AlgoKey key{{device, dtype, d_type, op_a, op_b, g.m, g.n, g.k, g.lda, g.ldb, g.ldd, align_a, align_b, align_d,
+                     static_cast<int64_t>(max_ws), heuristic, static_cast<int64_t>(g.epilogue)}};
+  LtAlgo algo;
+  const bool cached = g.cache_algo && find_algo(key, &algo);
 #define LT_TRY(call, what)   \
   if ((s = (call)) != LT_SUCCESS) { \
     where = what;            \
@@ -276,23 +313,26 @@ int run_gemm(int dtype, const LtGemm& g, int heuristic, void* workspace, size_t 
   LT_TRY(g_api.layout_create(&la, type, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda), "layout A");
   LT_TRY(g_api.layout_create(&lb, type, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb), "layout B");
   LT_TRY(g_api.layout_create(&ld, d_type, g.m, g.n, g.ldd), "layout D");
-  LT_TRY(g_api.pref_create(&pref), "PreferenceCreate");
-  LT_TRY(g_api.pref_set(pref, PREF_MAX_WORKSPACE_BYTES, &max_ws, sizeof(max_ws)), "set MAX_WORKSPACE_BYTES");
-  LT_TRY(g_api.pref_set(pref, PREF_MIN_ALIGNMENT_A, &align_a, sizeof(align_a)), "set MIN_ALIGNMENT_A");
-  LT_TRY(g_api.pref_set(pref, PREF_MIN_ALIGNMENT_B, &align_b, sizeof(align_b)), "set MIN_ALIGNMENT_B");
-  LT_TRY(g_api.pref_set(pref, PREF_MIN_ALIGNMENT_C, &align_d, sizeof(align_d)), "set MIN_ALIGNMENT_C");
-  LT_TRY(g_api.pref_set(pref, PREF_MIN_ALIGNMENT_D, &align_d, sizeof(align_d)), "set MIN_ALIGNMENT_D");
-  LT_TRY(g_api.heuristic(handle, desc, la, lb, ld, ld, pref, kMaxAlgos, results, &returned), "AlgoGetHeuristic");
-  if (returned <= 0) {
-    s = LT_NOT_SUPPORTED;
-    where = "AlgoGetHeuristic (no algorithm)";
-    goto done;
+  if (!cached) {
+    LT_TRY(g_api.pref_create(&pref), "PreferenceCreate");
+    LT_TRY(g_api.pref_set(pref, PREF_MAX_WORKSPACE_BYTES, &max_ws, sizeof(max_ws)), "set MAX_WORKSPACE_BYTES");
+    LT_TRY(g_api.pref_set(pref, PREF_MIN_ALIGNMENT_A, &align_a, sizeof(align_a)), "set MIN_ALIGNMENT_A");
+    LT_TRY(g_api.pref_set(pref, PREF_MIN_ALIGNMENT_B, &align_b, sizeof(align_b)), "set MIN_ALIGNMENT_B");
+    LT_TRY(g_api.pref_set(pref, PREF_MIN_ALIGNMENT_C, &align_d, sizeof(align_d)), "set MIN_ALIGNMENT_C");
+    LT_TRY(g_api.pref_set(pref, PREF_MIN_ALIGNMENT_D, &align_d, sizeof(align_d)), "set MIN_ALIGNMENT_D");
+    LT_TRY(g_api.heuristic(handle, desc, la, lb, ld, ld, pref, kMaxAlgos, results, &returned), "AlgoGetHeuristic");
+    if (returned <= 0) {
+      s = LT_NOT_SUPPORTED;
+      where = "AlgoGetHeuristic (no algorithm)";
+      goto done;
+    }
+    // The list is ordered by expected speed and is shorter for small problems: an index past its end
+    // takes the last entry, so one index works for every shape.
+    algo = results[heuristic < returned ? heuristic : returned - 1].algo;
+    if (g.cache_algo) store_algo(key, algo);
   }
-  // The list is ordered by expected speed and is shorter for small problems: an index past its end
-  // takes the last entry, so one index works for every shape.
-  LT_TRY(g_api.matmul(handle, desc, &g.alpha, g.a, la, g.b, lb, &g.beta, g.d, ld, g.d, ld,
-                      &results[heuristic < returned ? heuristic : returned - 1].algo, workspace, workspace_bytes,
-                      static_cast<cudaStream_t>(stream)),
+  LT_TRY(g_api.matmul(handle, desc, &g.alpha, g.a, la, g.b, lb, &g.beta, g.d, ld, g.d, ld, &algo, workspace,
+                      workspace_bytes, static_cast<cudaStream_t>(stream)),
          "Matmul");
 #undef LT_TRY
 done:
@@ -418,5 +458,6 @@ PNF_EXPORT int pnf_gemm(int dtype, int d_dtype, int trans_a, int trans_b, int64_
   g.alpha = alpha;
   g.beta = beta;
   g.d_dtype = d_dtype;
+  g.cache_algo = true;
   return run_gemm(dtype, g, heuristic, workspace, workspace_bytes, stream);
 }

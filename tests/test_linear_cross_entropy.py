@@ -72,8 +72,9 @@ def _cuda_stand_in(monkeypatch, backend):
     if not backend.startswith("cuda"):
         return backend, {}
     monkeypatch.setattr(lce_ops, "_choose_backend", lambda *args: "cuda")
-    monkeypatch.setattr(lce_ops, "_gemm_for", lambda like: (host_gemm, 0))
-    return "auto", ({"max_workspace_gib": 1e-5} if backend == "cuda-bounded" else {"vocab_chunk": 64})
+    monkeypatch.setattr(lce_ops, "_gemm_for", lambda like, nbytes=None: host_gemm)
+    bound = (K.GEMM_WORKSPACE[0] + 12000) / 2**30  # a few blocks of tokens at these sizes
+    return "auto", ({"max_workspace_gib": bound} if backend == "cuda-bounded" else {"vocab_chunk": 64})
 
 
 def _inputs(dtype, shape, D, V, transpose_y, bias=False, ignore_index=-100, rng=np.random, ignore_frac=0.2):
@@ -233,10 +234,55 @@ def test_gradient_filter():
     loss_all = linear_cross_entropy(hidden, weight, labels, bias, transpose_y=False, backend="triton",
                                     filter_eps=2.0)  # above every |G| (<= 1): every tile skipped
     assert float(loss_all) == float(loss)
-    for g in paddle.grad(loss_all, [hidden, weight, bias]):
-        assert not np.any(g.astype("float32").numpy())
+    dh, dw, db = paddle.grad(loss_all, [hidden, weight, bias])
+    assert not np.any(dh.astype("float32").numpy()) and not np.any(dw.astype("float32").numpy())
+    np.testing.assert_array_equal(db.astype("float32").numpy(), exact[2].astype("float32").numpy())  # unfiltered
+    # separate filters: only the weight's GEMM skips (the hidden's gradient stays exact), and the reverse
+    for keep_e, keep_c in ((False, True), (True, False)):
+        loss_one = linear_cross_entropy(hidden, weight, labels, bias, transpose_y=False, backend="triton",
+                                        vocab_chunk=64, filter_eps=2.0, filter_e_grad=keep_e, filter_c_grad=keep_c)
+        dh, dw, _ = paddle.grad(loss_one, [hidden, weight, bias])
+        filtered, exact_one = (dh, dw) if keep_e else (dw, dh)
+        assert not np.any(filtered.astype("float32").numpy())
+        # the filter's GEMM tiles may differ from the exact call's: the same sums, another rounding order
+        assert_close("unfiltered gradient", exact_one.astype("float32").numpy(),
+                     exact[1 if keep_e else 0].astype("float32").numpy(), "bfloat16", baseline_err=1e-3)
     with pytest.raises(ValueError, match="filter_eps"):
         linear_cross_entropy(hidden, weight, labels, transpose_y=False, filter_eps=-1.0)
+    with pytest.raises(TypeError, match="filter_c_grad"):
+        linear_cross_entropy(hidden, weight, labels, transpose_y=False, filter_c_grad="yes")
+
+
+def test_auto_filter_threshold_follows_the_dtype():
+    """'auto' is the input dtype's epsilon / 32 (Cut Cross-Entropy's rule), not a fixed 2^-12."""
+    assert lce_ops._filter_eps("auto", "bfloat16") == 2.0**-12
+    assert lce_ops._filter_eps("auto", "float16") == 2.0**-15
+    assert lce_ops._filter_eps("auto", "float32") == 2.0**-28
+    assert lce_ops._filter_eps(None, "bfloat16") is None
+
+
+@pytest.mark.parametrize("backend", ("cuda-lean", "cuda-bounded"))
+def test_cuda_paths_accumulate_fresh_gradients(backend, monkeypatch):
+    """Two backward passes into the same leaves (and a tied use of the weight): each gradient is a fresh
+    tensor, never one the op keeps, so Paddle's in-place accumulation doubles it; dW accumulated in fp32
+    (accum_c_fp32) gives the same gradient."""
+    backend, extra = _cuda_stand_in(monkeypatch, backend)
+    hidden, weight, bias, labels = _inputs("bfloat16", (37,), 40, 130, True, bias=True)
+    grads = []
+    for accum in (False, True):
+        for t in (hidden, weight, bias):
+            t.clear_gradient()
+        for _ in range(2):
+            loss = linear_cross_entropy(hidden, weight, labels, bias, transpose_y=True, backend=backend,
+                                        accum_c_fp32=accum, **extra)
+            (loss * 2.0).backward()
+        grads.append([t.grad.astype("float32").numpy() for t in (hidden, weight, bias)])
+    single = paddle.grad(linear_cross_entropy(hidden, weight, labels, bias, transpose_y=True, backend="triton") * 2.0,
+                         [hidden, weight, bias])
+    for got_plain, got_fp32, one in zip(*grads, single):
+        one = one.astype("float32").numpy()
+        assert_close("accumulated", got_plain, 2 * one, "bfloat16", baseline_err=4e-3)
+        assert_close("accumulated fp32 dW", got_fp32, 2 * one, "bfloat16", baseline_err=4e-3)
 
 
 @pytest.mark.parametrize("transpose_y", [True, False])
@@ -310,6 +356,29 @@ def test_cut_cross_entropy_argument_order():
     got = cce_linear_cross_entropy(e, c, targets, None, -100, 2.0, "sum", True)
     want = linear_cross_entropy(e, c, targets, softcap=2.0, reduction="sum", shift=True, transpose_y=True)
     np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    # CCE's later positional arguments: filter_eps, accum_e_fp32, accum_c_fp32, filter_e_grad, filter_c_grad
+    got = cce_linear_cross_entropy(e, c, targets, None, -100, 2.0, "sum", True, None, True, True, False, False)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    with pytest.raises(TypeError, match="accum_e_fp32"):
+        cce_linear_cross_entropy(e, c, targets, accum_e_fp32=1)
+
+
+def test_square_weight_needs_transpose_y():
+    """A square weight reads either way: the op and the layer ask for transpose_y instead of guessing; a
+    non-square weight's layout is read off its shape."""
+    h, w, _, labels = _inputs("float32", (5,), 16, 16, True)
+    with pytest.raises(ValueError, match="transpose_y: required for a square weight"):
+        linear_cross_entropy(h, w, labels)
+    with pytest.raises(ValueError, match="transpose_y: required for a square weight"):
+        LinearCrossEntropy(16, 16, weight=w)
+    assert LinearCrossEntropy(16, 16, transpose_y=True, weight=w).transpose_y
+    h, w, _, labels = _inputs("float32", (5,), 16, 40, False)  # [D, V]
+    np.testing.assert_allclose(float(linear_cross_entropy(h, w, labels)),
+                               float(linear_cross_entropy(h, w, labels, transpose_y=False)), rtol=1e-6)
+    np.testing.assert_allclose(float(linear_cross_entropy(h, w.t(), labels)),
+                               float(linear_cross_entropy(h, w, labels, transpose_y=False)), rtol=1e-6)
+    assert not LinearCrossEntropy(16, 40, weight=w).transpose_y
+    assert LinearCrossEntropy(16, 40, weight=w.t()).transpose_y
 
 
 def test_bad_input_raises_clear_errors():
@@ -338,6 +407,22 @@ def test_bad_input_raises_clear_errors():
         linear_cross_entropy(h, w, labels, backend="cudnn")
 
 
+class _StandIn:
+    """pytest's monkeypatch.setattr for a subprocess: the attributes come back on exit."""
+
+    def __enter__(self):
+        self.saved = []
+        return self
+
+    def setattr(self, obj, name, value):
+        self.saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def __exit__(self, *exc):
+        for obj, name, value in reversed(self.saved):
+            setattr(obj, name, value)
+
+
 def _vocab_parallel_body():
     """Each rank holds half the vocabulary; losses and gradients equal the dense ones."""
     import paddle.distributed as dist
@@ -351,14 +436,17 @@ def _vocab_parallel_body():
     dense = linear_cross_entropy(hidden, weight, labels, bias, backend="reference", **opts)
     d_h, d_w, d_b = paddle.grad(dense, [hidden, weight, bias])
     cols = slice(rank * V // 2, (rank + 1) * V // 2)
-    for backend in ("triton", "reference"):
+    for backend in ("triton", "reference", "cuda-lean", "cuda-bounded"):
         w_shard = paddle.to_tensor(weight.numpy()[:, cols])
         b_shard = paddle.to_tensor(bias.numpy()[cols])
         h = paddle.to_tensor(hidden.numpy())
         for t in (w_shard, b_shard, h):
             t.stop_gradient = False
-        loss = linear_cross_entropy(h, w_shard, labels, b_shard, tp_group="fleet", backend=backend, **opts)
-        g_h, g_w, g_b = paddle.grad(loss, [h, w_shard, b_shard])
+        with _StandIn() as patch:  # this subprocess's own module: patched for the cuda paths only
+            arg, extra = _cuda_stand_in(patch, backend)
+            loss = linear_cross_entropy(h, w_shard, labels, b_shard, tp_group="fleet", backend=arg,
+                                        **{**opts, **extra})
+            g_h, g_w, g_b = paddle.grad(loss, [h, w_shard, b_shard])
         assert_close(f"{backend} tp loss", loss.numpy(), dense.numpy(), "float32")
         assert_close(f"{backend} tp dh", g_h.numpy(), d_h.numpy(), "float32")
         assert_close(f"{backend} tp dW", g_w.numpy(), d_w.numpy()[:, cols], "float32")

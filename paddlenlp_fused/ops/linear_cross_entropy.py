@@ -67,14 +67,15 @@ def _empty(shape, dtype, like):
     return paddle.empty(list(shape), dtype=dtype, device=like.place)
 
 
-def _gemm_for(like):
-    """cuBLASLt GEMM with a fresh workspace from Paddle's caching allocator (nothing stays allocated
-    between calls)."""
+def _gemm_for(like, nbytes=None):
+    """cuBLASLt GEMM with a fresh workspace (``nbytes``, default the device's full one) from Paddle's
+    caching allocator, so nothing stays allocated between calls."""
     from ..kernels.cuda import fused_dense
     from ..kernels.cuda import gemm as cuda_gemm
 
-    workspace = _empty([fused_dense.workspace_bytes(like.place.gpu_device_id())], "uint8", like)
-    return functools.partial(cuda_gemm.gemm, workspace=workspace), int(workspace.shape[0])
+    full = fused_dense.workspace_bytes(like.place.gpu_device_id())
+    workspace = _empty([min(full, nbytes or full)], "uint8", like)
+    return functools.partial(cuda_gemm.gemm, workspace=workspace)
 
 
 def _raise_bad_label(flag, o: _Options) -> None:
@@ -106,7 +107,7 @@ def _triton_stats(hidden, weight, labels, bias, o: _Options):
 def _cuda_stats(hidden, weight, labels, bias, o: _Options):
     n_tok = hidden.shape[0]
     plan = kernels.lean_plan(n_tok, _vocab(weight, o), vocab=o.vocab_chunk)
-    gemm, _ = _gemm_for(hidden)
+    gemm = _gemm_for(hidden)
     logits = _empty(*kernels.lean_workspace(plan, hidden.shape[1], T.dtype_name(hidden))["logits"], hidden)
     state, stats = _empty([4, n_tok], "float32", hidden), _empty([3, n_tok], "float32", hidden)
     kernels.lean_forward(gemm, *triton_args(hidden, weight, labels, bias, logits, state, stats), plan=plan,
@@ -155,7 +156,7 @@ def _cuda_grads(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, o: _Op
     dtype = T.dtype_name(hidden)
     plan = kernels.lean_plan(n_tok, _vocab(weight, o), vocab=o.vocab_chunk)
     ws = kernels.lean_workspace(plan, D, dtype)
-    gemm, _ = _gemm_for(hidden)
+    gemm = _gemm_for(hidden)
     logits = _empty(*ws["logits"], hidden)
     g = _empty(*ws["g"], hidden) if "g" in ws else None
     dh_acc = _empty(*ws["dh_acc"], hidden) if "dh_acc" in ws and need[0] else None
@@ -256,10 +257,11 @@ class BoundedLinearCrossEntropyFunction(PyLayer):
         V = _vocab(weight, o)
         dtype = T.dtype_name(hidden)
         need = _needs(hidden, weight, bias)
-        gemm, ws_bytes = _gemm_for(hidden)
         n_valid = int((labels != o.ignore_index).astype("int64").sum())  # one host read
         alpha = 1.0 / max(n_valid, 1) if reduction == "mean" else 1.0
-        plan = kernels.bounded_plan(n_tok, V, dtype, o.max_workspace_bytes - ws_bytes - 32 * max(n_tok, 1))
+        # what the bound leaves after the per-token buffers (loss, stats, flags: under 32 bytes a token)
+        plan = kernels.bounded_plan(n_tok, V, dtype, o.max_workspace_bytes - 32 * max(n_tok, 1))
+        gemm = _gemm_for(hidden, plan.workspace)
         logits = _empty([plan.tokens, plan.ld], hidden.dtype, hidden)
         stats = _empty([3, plan.tokens], "float32", hidden)
         loss = _empty([n_tok], "float32", hidden)

@@ -263,7 +263,7 @@ def test_bounded_path_matches_float64(provider, case, dw_fp32):
     gemm = _gemm(provider)
     h, w, b, labels, labels_np, (softcap, eps, z) = _chunked_setup(provider, dtype, n_tok, D, V, transpose_y, options)
     size = 2 if dtype != "float32" else 4
-    plan = K.bounded_plan(n_tok, V, dtype, (n_tok // 3 + 1) * -(-V // 8) * 8 * size)
+    plan = K.bounded_plan(n_tok, V, dtype, (n_tok // 3 + 1) * -(-V // 8) * 8 * size + K.GEMM_WORKSPACE[0])
     assert -(-n_tok // plan.tokens) == 3
     logits, stats = provider.poisoned((plan.tokens, plan.ld), dtype), provider.poisoned((3, plan.tokens))
     loss = provider.poisoned((n_tok,))

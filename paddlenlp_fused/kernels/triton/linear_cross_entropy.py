@@ -24,7 +24,8 @@ buffer), so the sum over ~V/Vc chunks keeps fp32-like accuracy. The bias gradien
 G (fp32 atomics, then ``scale_cast``).
 
 Optional gradient filter (approximate, opt-in): a G tile whose entries are all below ``filter_eps`` is
-written as zeros and flagged, and the gradient GEMMs (dh, dW: each selectable) skip flagged blocks.
+flagged, and the gradient GEMMs (dh, dW: each selectable) skip flagged blocks; the bias gradient is
+never filtered.
 ``filter_eps=None`` is the exact mode.
 
 The chunked paths further down (``lean_*``, ``bounded_*``) take their GEMMs from the caller (cuBLASLt
@@ -277,7 +278,6 @@ def _grad_logits_kernel(h_ptr, w_ptr, bias_ptr, labels_ptr, lse_ptr, coef_p_ptr,
     grad = tl.where(inside, grad, 0.0)
     if FILTER:
         keep = tl.max(tl.max(tl.abs(grad), 1), 0) >= filter_eps
-        grad = grad * keep.to(tl.float32)
         tl.store(flag_ptr + pid_m * stride_flag + pid_n, keep.to(tl.int8))
     # 64-bit tile base, 32-bit offsets inside the tile (fewer registers in the epilogue)
     g_tile = g_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_gt + pid_n * BLOCK_N
@@ -616,15 +616,19 @@ def _matmul(p: Problem, cfg: TileConfig, a, b, c, lo, scale, flags, M, N, K, a_o
 # b_offset=, d_offset=, lda=, ldb=, ldd=): row-major D[m,n] = alpha op(A) op(B) + beta D
 # (kernels/cuda/gemm.py), operands as tensors plus element offsets and row strides.
 
-LEAN_PLAN = (2048, 4096)  # (token block, vocabulary chunk); logits fp32 32 MiB + G 16 + dh_acc 32 at D=4096
+# (token block, vocabulary chunk) of the lean path: fp32 logits 32 MiB + G 16 + dh_acc 16 at D=4096,
+# with cuBLASLt's 32 MiB workspace 0.094 GiB
+LEAN_PLAN = (1024, 8192)
 ROW_BLOCK, COL_BLOCK = 4, 1024  # the stats kernel: rows per program, columns per step
 GRAD_TILE = (32, 256)  # the gradient kernel's tile
+GEMM_WORKSPACE = (4 * 2**20, 32 * 2**20)  # cuBLASLt workspace the bounded path may shrink to, and its most
 
 
 class ChunkPlan(NamedTuple):
     tokens: int  # token block Tb
     vocab: int  # vocabulary chunk Vc (V: the bounded path's whole vocabulary)
     ld: int  # row stride of the logits buffer (Vc or V rounded up to 8 elements: aligned GEMM rows)
+    workspace: int = GEMM_WORKSPACE[1]  # bytes of cuBLASLt workspace to hand the GEMMs
 
 
 def _round8(n: int) -> int:
@@ -649,15 +653,19 @@ def lean_workspace(plan: ChunkPlan, D: int, dtype: str) -> dict:
 
 
 def bounded_plan(n_tok: int, V: int, dtype: str, max_bytes: int) -> ChunkPlan:
-    """The fewest token blocks whose [Tb, V] logits (``dtype``) fit ``max_bytes``, balanced in size
-    (each block reads and writes the whole dW, so few large blocks beat many small ones)."""
+    """The fewest token blocks whose [Tb, V] logits (``dtype``) and the GEMM workspace fit ``max_bytes``,
+    balanced in size (each block reads and writes the whole dW, so few large blocks beat many small
+    ones); the workspace takes what the logits leave, between GEMM_WORKSPACE's bounds."""
     row = _round8(V) * T.itemsize(dtype)
-    most = int(max_bytes) // row
+    least, most_ws = GEMM_WORKSPACE
+    most = (int(max_bytes) - least) // row
     if most < 1:
         raise ValueError(f"max_workspace_gib: {max_bytes / 2**30:.4g} GiB holds no token's logits "
-                         f"({row} bytes a token at V={V})")
+                         f"({row} bytes a token at V={V}, plus {least} bytes of GEMM workspace)")
     blocks = -(-max(n_tok, 1) // most)
-    return ChunkPlan(-(-max(n_tok, 1) // blocks), V, _round8(V))
+    tokens = -(-max(n_tok, 1) // blocks)
+    workspace = min(most_ws, (int(max_bytes) - tokens * row) // 2**20 * 2**20)
+    return ChunkPlan(tokens, V, _round8(V), max(workspace, least))
 
 
 @triton.jit
