@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import paddle
 
-from ._checks import contiguous
+from ._checks import contiguous, device_of
 
 
 def grads_for(ctx, grads):
@@ -45,3 +45,17 @@ def run_in_place(state, launch):
     launch(dense)
     if dense is not state:
         paddle.assign(dense, output=state)
+
+
+def mm(a, b, transpose_a=False, transpose_b=False):
+    """paddle.matmul; in float32 where Paddle's CPU build lacks the half-precision kernel."""
+    if device_of(a) == "cpu" and a.dtype in (paddle.float16, paddle.bfloat16):
+        return paddle.matmul(a.astype("float32"), b.astype("float32"), transpose_a, transpose_b).astype(a.dtype)
+    return paddle.matmul(a, b, transpose_a, transpose_b)
+
+
+def add(a, b):
+    """a + b in a's dtype; in float32 where Paddle's CPU build lacks the half-precision kernel."""
+    if device_of(a) == "cpu" and a.dtype in (paddle.float16, paddle.bfloat16):
+        return (a.astype("float32") + b.astype("float32")).astype(a.dtype)
+    return a + b.astype(a.dtype)

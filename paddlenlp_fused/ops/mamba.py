@@ -39,7 +39,7 @@ from ..runtime import tensor as T
 from ..runtime.backend import gpu_order, resolve_backend
 from ..runtime.triton_paddle import triton_args
 from ._checks import check_tensor, contiguous, device_of
-from ._pylayer import cast_like, check_shape, empty_on, grads_for, needs_grad, run_in_place, zeros32_on
+from ._pylayer import add, cast_like, check_shape, empty_on, grads_for, mm, needs_grad, run_in_place, zeros32_on
 from .causal_conv1d import conv_launch_bwd, conv_launch_fwd, conv_weight
 
 IMPLEMENTED = ("triton", "reference")
@@ -274,19 +274,12 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
 # mamba_inner_fn
 
 
-def _mm(a, b, transpose_a=False, transpose_b=False):
-    """paddle.matmul; in float32 where Paddle's CPU build lacks the half-precision kernel."""
-    if device_of(a) == "cpu" and a.dtype in (paddle.float16, paddle.bfloat16):
-        return paddle.matmul(a.astype("float32"), b.astype("float32"), transpose_a, transpose_b).astype(a.dtype)
-    return paddle.matmul(a, b, transpose_a, transpose_b)
-
-
 def _batch_sum_mm(a, b):
     """sum_b a[b] @ b[b]^T for a [B, M, L], b [B, K, L]: [M, K] (a weight gradient)."""
     batch, m, length = a.shape
     a2 = a.transpose([1, 0, 2]).reshape([m, batch * length])
     b2 = b.transpose([1, 0, 2]).reshape([b.shape[1], batch * length])
-    return _mm(a2, b2, transpose_b=True)
+    return mm(a2, b2, transpose_b=True)
 
 
 class MambaInnerFunction(PyLayer):
@@ -297,20 +290,22 @@ class MambaInnerFunction(PyLayer):
     @staticmethod
     def forward(ctx, xz, conv_w, conv_b, x_proj_w, delta_proj_w, out_proj_w, out_proj_b, A, B, C, D, delta_bias,
                 B_proj_bias, C_proj_bias, delta_softplus, checkpoint_lvl, backend):
-        xz = contiguous(xz)
+        # the launchers read these with their own strides assumed dense
+        xz, conv_w, conv_b, A, D, delta_bias, B_proj_bias, C_proj_bias = (
+            contiguous(t) for t in (xz, conv_w, conv_b, A, D, delta_bias, B_proj_bias, C_proj_bias))
         dim = xz.shape[1] // 2
         x, z = contiguous(xz[:, :dim]), contiguous(xz[:, dim:])
         conv_out = conv_launch_fwd(x, conv_w, conv_b, None, None, "silu")
-        x_dbl = _mm(x_proj_w, conv_out, transpose_a=True)  # [batch, r + 2 n, seqlen]
+        x_dbl = mm(x_proj_w, conv_out, transpose_a=True)  # [batch, r + 2 n, seqlen]
         rank, rows = delta_proj_w.shape[0], _projected_rows(A)
-        delta = _mm(delta_proj_w, x_dbl[:, :rank], transpose_a=True)  # [batch, dim, seqlen]
+        delta = mm(delta_proj_w, x_dbl[:, :rank], transpose_a=True)  # [batch, dim, seqlen]
         B_in = _projected(x_dbl, rank, rows, B_proj_bias, A) if B is None else contiguous(B)
         C_in = _projected(x_dbl, rank + rows, rows, C_proj_bias, A) if C is None else contiguous(C)
         out_z, states, _, plan = _scan_launch_fwd(backend, conv_out, delta, A, B_in, C_in, D, z, delta_bias,
                                                   delta_softplus, True, False)
-        out = _mm(out_z, out_proj_w, transpose_a=True)  # [batch, seqlen, d_model]
+        out = mm(out_z, out_proj_w, transpose_a=True)  # [batch, seqlen, d_model]
         if out_proj_b is not None:
-            out = out + out_proj_b.astype(out.dtype)
+            out = add(out, out_proj_b)
         keep = (conv_out, delta) if checkpoint_lvl == 0 else (None, None)
         ctx.save_for_backward(xz, conv_w, conv_b, x_proj_w, delta_proj_w, out_proj_w, out_proj_b, A, B, C, D,
                               delta_bias, B_proj_bias, C_proj_bias, x_dbl, states, *keep)
@@ -328,18 +323,18 @@ class MambaInnerFunction(PyLayer):
         x, z = contiguous(xz[:, :dim]), contiguous(xz[:, dim:])
         if conv_out is None:  # checkpoint_lvl 1: recompute
             conv_out = conv_launch_fwd(x, conv_w, conv_b, None, None, "silu")
-            delta = _mm(delta_proj_w, x_dbl[:, :rank], transpose_a=True)
+            delta = mm(delta_proj_w, x_dbl[:, :rank], transpose_a=True)
         B_in = _projected(x_dbl, rank, rows, B_proj_bias, A) if B is None else contiguous(B)
         C_in = _projected(x_dbl, rank + rows, rows, C_proj_bias, A) if C is None else contiguous(C)
         dout = contiguous(dout)
-        dout_z = _mm(out_proj_w, dout, transpose_b=True)  # [batch, dim, seqlen]
+        dout_z = mm(out_proj_w, dout, transpose_b=True)  # [batch, dim, seqlen]
         du, ddelta, dA, dB, dC, dD, dz, ddb, out_z = _scan_launch_bwd(
             ctx.backend, (conv_out, delta, A, B_in, C_in, D, z, delta_bias, states), dout_z, ctx.plan,
             ctx.delta_softplus, True)
         d_out_proj_w = _batch_sum_mm(out_z, dout.transpose([0, 2, 1]))
         d_out_proj_b = None if out_proj_b is None else dout.astype("float32").sum(axis=[0, 1]).astype(out_proj_b.dtype)
         # gradient of x_dbl [batch, r + 2n, seqlen]: delta's rows, then B's and C's when projected
-        parts = [_mm(delta_proj_w, ddelta)]
+        parts = [mm(delta_proj_w, ddelta)]
         if B is None:
             dB = _unprojected(dB, A)
         if C is None:
@@ -349,7 +344,7 @@ class MambaInnerFunction(PyLayer):
         dx_dbl = paddle.concat(parts, axis=1)
         d_delta_proj_w = _batch_sum_mm(x_dbl[:, :rank], ddelta)
         d_x_proj_w = _batch_sum_mm(conv_out, dx_dbl)
-        dconv_out = du + _mm(x_proj_w, dx_dbl)
+        dconv_out = add(du, mm(x_proj_w, dx_dbl))
         dx, dconv_w, dconv_b, _ = conv_launch_bwd(x, conv_w, conv_b, None, None, dconv_out, "silu")
         dxz = paddle.concat([dx, dz], axis=1)
         dB_bias = None if B_proj_bias is None else cast_like(dB.sum(axis=[0, 2]), B_proj_bias)
@@ -372,7 +367,7 @@ def _projected(x_dbl, start, rows, bias, A):
     [batch, dstate, 2 seqlen] (as the reference projects them)."""
     t = x_dbl[:, start:start + rows]
     if bias is not None:
-        t = t + bias.astype(t.dtype)[:, None]
+        t = add(t, bias[:, None])
     if A.dtype in _COMPLEX:
         batch, _, seqlen = t.shape
         t = t.reshape([batch, rows // 2, 2, seqlen]).transpose([0, 1, 3, 2]).reshape([batch, rows // 2, 2 * seqlen])

@@ -49,7 +49,7 @@ from ..reference.ssd import NO_DT_LIMIT, process_dt, selective_state_update_mult
 from ..runtime.backend import resolve_backend
 from ..runtime.triton_paddle import triton_args
 from ._checks import check_eps, check_tensor, contiguous, device_of
-from ._pylayer import check_shape, empty_on, grads_for, needs_grad, run_in_place
+from ._pylayer import add, check_shape, empty_on, grads_for, mm, needs_grad, run_in_place
 from .causal_conv1d import causal_conv1d_fn
 from .norm import rmsnorm_gated_fn
 from .ssd import mamba_chunk_scan_combined
@@ -142,9 +142,9 @@ def _after_conv(xBC, z, dt, dt_bias, A, D, initial_states, rmsnorm_weight, outpr
         y = rmsnorm_gated_fn(y, rmsnorm_weight, z, o.rmsnorm_eps, group_size=o.dim // o.ngroups,
                              norm_before_gate=o.norm_before_gate, backend=o.backend)
     if outproj_weight is not None:
-        y = paddle.matmul(y, outproj_weight.astype(y.dtype))
+        y = mm(y, outproj_weight.astype(y.dtype))
         if outproj_bias is not None:
-            y = y + outproj_bias.astype(y.dtype)
+            y = add(y, outproj_bias)
     return y, final_states
 
 

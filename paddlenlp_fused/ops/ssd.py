@@ -203,7 +203,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         seq_idx = cu_seqlens_to_seq_idx(bounds, x.shape[1])
     states_at = (bounds[1:] - 1).tolist() if return_varlen_states else None
     dt_limit = tuple(float(v) for v in dt_limit)
-    if chosen == "triton":
+    if chosen == "triton" and x.size:  # (no tokens: nothing to launch, the reference returns the empty results)
         runs = None if seq_idx is None else ref.segment_ids(seq_idx, x.shape[0], x.shape[1])
         positions = None if states_at is None else paddle.to_tensor(np.asarray(states_at, np.int64), place=x.place)
         out = SSDChunkedFunction.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, runs, positions,
