@@ -109,7 +109,8 @@ def sample_batch(data, batch: int, seq: int, rng):
 
 def example_args(description, sizes, plot, argv=None, default_lr=3e-3, fleet=False):
     """The flags every example takes (and, with ``fleet``, ``--tensor-parallel`` / ``--sequence-parallel``);
-    sets Paddle's device and seed from them. ``plot``: the default PNG name."""
+    sets Paddle's device and seed from them. ``plot``: the default PNG name; ``args.config``: the size's
+    config with ``--batch`` applied."""
     parser = argparse.ArgumentParser(description=description)
     if fleet:
         parser.add_argument("--tensor-parallel", type=int, default=1,
@@ -119,6 +120,7 @@ def example_args(description, sizes, plot, argv=None, default_lr=3e-3, fleet=Fal
     parser.add_argument("--data", choices=("synthetic", "text"), default="synthetic",
                         help="synthetic Markov chain (known loss floor) or bytes of the standard library's source")
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch", type=int, default=None, help="sequences a step (default: the size's)")
     parser.add_argument("--lr", type=float, default=default_lr)
     parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--device", default="cpu")
@@ -126,6 +128,7 @@ def example_args(description, sizes, plot, argv=None, default_lr=3e-3, fleet=Fal
     parser.add_argument("--plot", default=None, help=f"loss-curve PNG (default {plot})")
     args = parser.parse_args(argv)
     args.plot = args.plot or plot
+    args.config = dict(sizes[args.size], **({"batch": args.batch} if args.batch else {}))
     paddle.set_device(args.device)
     paddle.seed(args.seed)
     return args

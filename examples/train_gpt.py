@@ -52,7 +52,7 @@ def train(name, sizes, build_model, argv=None, default_lr=3e-3, loss_of=labelled
     args = example_args(f"Train PaddleNLP's {name}", sizes, f"train_{name.lower()}_loss.png", argv,
                         default_lr=default_lr)
     rng = np.random.default_rng(args.seed)
-    cfg = sizes[args.size]
+    cfg = args.config
     if args.fused:
         from paddlenlp_fused.integrations.paddlenlp import swap_fused_layers
 

@@ -179,7 +179,7 @@ def main_fleet(args):
     fleet.init(is_collective=True, strategy=strategy)
     hcg = fleet.get_hybrid_communicate_group()
     rank, leader = hcg.get_model_parallel_rank(), dist.get_rank() == 0
-    cfg = SIZES[args.size]
+    cfg = args.config
     paddle.seed(args.seed)  # the same replicated weights on every rank (fleet seeds the sharded ones)
     model = build_paddlenlp_llama(cfg, tp, rank, args.sequence_parallel)
     if args.fused:
@@ -206,7 +206,8 @@ def main_fleet(args):
         describe(f"{name} {args.size}, {world} processes", model, data, cfg["vocab"], layers, args.fused)
     losses, _ = fit(model, opt, data, cfg, args.steps, rng, loss_of=loss_of, after_backward=after_backward,
                     show=leader)
-    print(f"rank {dist.get_rank()}: final loss {np.mean(losses[-5:]):.4f} (start {losses[0]:.4f})")
+    if not leader:  # into the launcher's worker log
+        print(f"rank {dist.get_rank()}: final loss {np.mean(losses[-5:]):.4f} (start {losses[0]:.4f})")
     if leader:
         finish(losses, data, plot_title(name, args.size, args.fused), args.plot)
     return losses
@@ -219,7 +220,7 @@ def main(argv=None):
             args.plot = f"train_llama_tp{args.tensor_parallel}{'_sp' if args.sequence_parallel else ''}_loss.png"
         return main_fleet(args)
     rng = np.random.default_rng(args.seed)
-    cfg = SIZES[args.size]
+    cfg = args.config
     model = TinyLlama(cfg, args.fused)
     opt = make_optimizer(model, args.lr, args.fused)
     data = make_data(args.data, cfg["vocab"], rng)

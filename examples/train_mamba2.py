@@ -67,7 +67,7 @@ def main(argv=None):
     args = example_args(__doc__.splitlines()[0], SIZES, "train_mamba2_loss.png", argv)
     np.random.seed(args.seed)  # Mamba2Block draws dt_bias and A_log with numpy
     rng = np.random.default_rng(args.seed)
-    cfg = SIZES[args.size]
+    cfg = args.config
     model = TinyMamba2(cfg, args.fused)
     # mamba_ssm keeps weight decay off dt_bias, A_log and D (marked no_weight_decay)
     no_decay = {p.name for p in model.parameters() if getattr(p, "no_weight_decay", False)}
