@@ -55,6 +55,7 @@ class Entry:
     bad: tuple = ()
     low_precision: Optional[tuple] = None
     o1: bool = True  # O1 (bf16 activations, fp32 weights) is accepted by the plain composition too
+    amp_factor: Optional[float] = None  # see test_amp_dtypes: chains of bfloat16 roundings
     notes: dict = field(default_factory=dict)
     # check (or (check, backend)) -> a defect of a file owned elsewhere, reported: a strict xfail
     known: dict = field(default_factory=dict)
@@ -260,10 +261,7 @@ LOSSES = [
           bad=(Bad("weight dim", with_(weight=randn(11, 7)), ValueError, "weight"),
                Bad("labels shape", with_(labels=labels(11, 5)), ValueError, "labels"),
                Bad("float labels", with_(labels=randn(2, 3)), TypeError, "labels")),
-          low_precision=("hidden",), o1=False,
-          known={("empty", "triton"): "ops/linear_cross_entropy.py: with 0 tokens the Triton path hands the "
-                                      "launcher a [4, n_split, 0] partials workspace it rejects as non-contiguous "
-                                      "(strides (4, 1, 0)): route 0 tokens around the launchers"}),
+          low_precision=("hidden",), o1=False),
     Entry("LinearCrossEntropy",
           lambda: dict(hidden=randn(5, 8), labels=labels(11, 5)),
           lambda layer, hidden, labels: layer(hidden, labels),
@@ -291,6 +289,12 @@ LOSSES = [
 # the plain composition does not take these AMP inputs on CPU: nn.Linear's matmul has no CPU
 # bfloat16 kernel (O2) and no mixed bfloat16 x float32 form (O1)
 _NO_CPU_BF16_LINEAR = "not on CPU: the layer's nn.Linear projections, as the plain composition's, lack bfloat16"
+
+
+# the Mamba ops round their intermediates (delta, conv output, states, the gated norm's input) to
+# bfloat16 where the reference keeps float32: 3.4e-2 seen against float32 for the split path's O2 input
+# gradient, 4.4x bfloat16's bound; 16 leaves a margin of 3.7
+MAMBA_AMP_FACTOR = 16
 
 
 # ---- Mamba-1 -----------------------------------------------------------------------------------
@@ -322,7 +326,7 @@ MAMBA = [
           empty=lambda: _scan_inputs(seqlen=0),
           bad=(Bad("delta shape", lambda i: {**i, "delta": randn(2, 4, 3)}, ValueError, "delta"),
                Bad("A rows", lambda i: {**i, "A": randn(3, 3)}, ValueError, "A")),
-          low_precision=("u", "delta", "z")),
+          low_precision=("u", "delta", "z"), amp_factor=MAMBA_AMP_FACTOR),
     Entry("causal_conv1d_fn",
           lambda: dict(x=randn(2, 5, 9), weight=randn(5, 4), bias=randn(5)),
           lambda backend, x, weight, bias: pf.causal_conv1d_fn(x, weight, bias, activation="silu", backend=backend),
@@ -337,12 +341,12 @@ MAMBA = [
           lambda **t: _inner(mamba_ref.mamba_inner_ref)(**t),
           empty=lambda: _inner_inputs(seqlen=0),
           bad=(Bad("xz odd", lambda i: {**i, "xz": randn(2, 7, 6)}, ValueError, "xz"),),
-          low_precision=("xz",)),
+          low_precision=("xz",), amp_factor=MAMBA_AMP_FACTOR),
     Entry("mamba_inner_fn(checkpoint_lvl=0)",
           _inner_inputs,
           lambda backend, **t: _inner(pf.mamba_inner_fn, checkpoint_lvl=0, backend=backend)(**t),
           lambda **t: _inner(mamba_ref.mamba_inner_ref)(**t),
-          low_precision=("xz",)),
+          low_precision=("xz",), amp_factor=MAMBA_AMP_FACTOR),
     Entry("MambaMixer",
           lambda: dict(hidden_states=randn(2, 6, 8)),
           lambda layer, hidden_states: layer(hidden_states),
@@ -383,14 +387,14 @@ MAMBA2 = [
           empty=lambda: _ssd_inputs(seqlen=0),
           bad=(Bad("dt shape", lambda i: {**i, "dt": randn(1, 12, 3)}, ValueError, "dt"),
                Bad("C shape", lambda i: {**i, "C": randn(1, 12, 1, 3)}, ValueError, "C")),
-          low_precision=("x", "dt", "B", "C", "z")),
+          low_precision=("x", "dt", "B", "C", "z"), amp_factor=MAMBA_AMP_FACTOR),
 ] + [
     Entry(f"mamba_split_conv1d_scan_combined(checkpoint_lvl={lvl})",
           _split_inputs,
           lambda backend, lvl=lvl, **t: _split(backend, lvl, **t),
           lambda **t: _split("reference", 1, **t),
           bad=(Bad("zxbcdt width", lambda i: {**i, "zxbcdt": randn(1, 10, 5)}, ValueError, "zxbcdt"),),
-          low_precision=("zxbcdt",))
+          low_precision=("zxbcdt",), amp_factor=MAMBA_AMP_FACTOR)
     for lvl in (0, 1)
 ] + [
     Entry("Mamba2Block",
