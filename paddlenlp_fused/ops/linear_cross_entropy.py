@@ -215,6 +215,8 @@ class LinearCrossEntropyFunction(PyLayer):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, o: _Options):
+        if not hidden.shape[0]:  # no tokens: zero gradients, no launch on empty workspaces
+            o = o._replace(backend="reference")
         stats_fn, loss_fn, _ = _ENGINES[o.backend]
         stats = vocab_parallel.combine_stats(stats_fn(hidden, weight, labels, bias, o), o.pg)
         loss = loss_fn(stats, labels, o)
@@ -468,7 +470,7 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
     opts = _Options(chosen, transpose_y, int(ignore_index), float(label_smoothing), float(z_loss),
                     None if softcap is None else float(softcap), eps, filter_e_grad, filter_c_grad, accum_c_fp32,
                     vocab_chunk, workspace_bytes, pg, shard)
-    if chosen == "cuda" and workspace_bytes is not None:
+    if chosen == "cuda" and workspace_bytes is not None and hidden2d.shape[0]:
         wants_grad = paddle.is_grad_enabled() and any(_needs(hidden2d, weight, bias))
         if reduction != "none" and not return_lse and wants_grad:
             return BoundedLinearCrossEntropyFunction.apply(hidden2d, weight, bias, labels1d, opts, reduction)

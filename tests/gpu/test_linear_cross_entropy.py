@@ -47,7 +47,8 @@ def _run(provider, dtype, n_tok, D, V, transpose_y, options, filter_eps=None, sc
     w = provider.randn((V, D) if transpose_y else (D, V), dtype, scale=scale_logits / np.sqrt(D))
     b = provider.randn((V,), dtype) if options else None
     labels_np = np.random.randint(0, VOCAB_TOTAL, n_tok)
-    labels_np[: n_tok // 2] = np.random.randint(VOCAB_START, VOCAB_START + V, n_tok // 2)  # half held here
+    # half held here (ids inside the global vocabulary: the flag catches any other)
+    labels_np[: n_tok // 2] = np.random.randint(VOCAB_START, min(VOCAB_START + V, VOCAB_TOTAL), n_tok // 2)
     labels_np[np.random.random_sample(n_tok) < 0.1] = -100
     labels = torch.from_numpy(labels_np).to(provider.device)
     softcap, eps, z = (15.0, 0.1, 1e-3) if options else (None, 0.0, 0.0)
