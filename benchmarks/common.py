@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import time
 import traceback
 
@@ -104,7 +105,9 @@ def optional_row(rows: list, skipped: dict, impl: str, build) -> None:
         rows.append(build())
     except Exception as exc:  # an optional peer never fails a run; the JSON says why it is missing
         first_line = (str(exc).strip().splitlines() or [""])[0]
-        skipped[impl] = f"{type(exc).__name__}: {first_line[:300]}"
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        skipped[impl] = (f"{type(exc).__name__}: {first_line[:300]} "
+                         f"(at {pathlib.Path(where.filename).name}:{where.lineno})")
         print(f"  {impl}: skipped ({skipped[impl]})", flush=True)
         traceback.print_exc(limit=-3)
 
