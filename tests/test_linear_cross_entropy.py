@@ -322,6 +322,62 @@ def test_launchers_write_every_element(transpose_y):
         assert_close(name, got.astype("float32").numpy(), exp.numpy(), dtype, baseline_err=4e-3)
 
 
+@pytest.mark.parametrize("transpose_y", [True, False])
+def test_chunked_launchers_write_every_element(transpose_y):
+    """The lean and bounded launchers (host_gemm for cuBLASLt) with outputs and workspaces poisoned with
+    NaN, odd last token blocks and vocabulary chunks, a vocabulary shard; against the reference stages."""
+    dtype, n_tok, D, V, start, total = "bfloat16", 23, 40, 90, 30, 150
+    hidden, weight, bias, labels = _inputs(dtype, (n_tok,), D, V, transpose_y, bias=True)
+    labels = paddle.to_tensor(np.random.randint(0, total, n_tok).astype(np.int64))
+    nan = lambda shape, dt="float32": paddle.full(list(shape), float("nan"), dtype=dt)  # noqa: E731
+    opts = dict(transpose_y=transpose_y, vocab_start=start, softcap=5.0)
+    want_stats = ref.lse_stats_ref(hidden, weight, labels, bias, **opts)
+    h32, w32, b32 = (t.astype("float32") for t in (hidden, weight, bias))
+
+    plan = K.lean_plan(n_tok, V, tokens=10, vocab=32)
+    work = {k: nan(*v) for k, v in K.lean_workspace(plan, D, dtype).items()}
+    state, stats = nan((4, n_tok)), nan((3, n_tok))
+    K.lean_forward(host_gemm, *triton_args(hidden, weight, labels, bias, work["logits"], state, stats), plan=plan,
+                   need_sum=True, **opts)
+    assert_close("lean stats", stats.numpy(), want_stats.numpy(), "float32")
+    lse = stats[0].clone()
+    coef_p = paddle.to_tensor(np.random.uniform(-1, 1, n_tok).astype(np.float32))
+    coef_y = paddle.to_tensor(np.random.uniform(-1, 1, n_tok).astype(np.float32))
+    dh, dw, db = nan((n_tok, D), dtype), nan(weight.shape, dtype), nan((V,), dtype)
+    K.lean_backward(host_gemm, *triton_args(hidden, weight, labels, bias, lse, coef_p, coef_y), 0.25,
+                    *triton_args(dh, dw, db, work["logits"], work["g"], work["dh_acc"], paddle.zeros([V])),
+                    plan=plan, vocab_total=total, label_smoothing=0.1, **opts)
+    want = ref.grads_ref(h32, w32, labels, b32, lse, coef_p * 0.25, coef_y * 0.25, vocab_total=total,
+                         label_smoothing=0.1, **opts)
+    for name, got, exp in zip(("dh", "dw", "db"), (dh, dw, db), want):
+        assert_close(f"lean {name}", got.astype("float32").numpy(), exp.numpy(), dtype, baseline_err=4e-3)
+
+    bplan = K.bounded_plan(n_tok, V, dtype, K.GEMM_WORKSPACE[0] + 9 * 96 * 2)  # 9 tokens a block: 3 blocks
+    assert bplan.tokens == 8 and bplan.ld == 96
+    loss, flag = nan((n_tok,)), paddle.full([1], -100, dtype="int64")
+    dh, dw, dbias_acc = nan((n_tok, D), dtype), nan(weight.shape, dtype), paddle.zeros([V])
+    K.bounded_forward(host_gemm, *triton_args(hidden, weight, labels, bias, nan((bplan.tokens, bplan.ld), dtype),
+                                              nan((3, bplan.tokens)), loss, flag, dh, dw, dbias_acc),
+                      plan=bplan, alpha=0.5, vocab_total=total, label_smoothing=0.1, z_loss=0.01, **opts)
+    assert int(flag) == -100
+    # the reference on the bf16-rounded logits the bounded path keeps: lse, then G with its coefficients
+    rounded = paddle.matmul(h32, w32, transpose_y=transpose_y).astype(dtype).astype("float32")
+    eye = paddle.eye(V, dtype="float32")  # [V, V] as the weight: the rounded logits pass through as they are
+    stats_b = ref.lse_stats_ref(rounded, eye, labels, b32, transpose_y=True, vocab_start=start, softcap=5.0)
+    loss_b = ref.token_loss_ref(stats_b, labels, vocab_total=total, label_smoothing=0.1, z_loss=0.01)
+    assert_close("bounded loss", loss.numpy(), loss_b.numpy(), "float32")
+    valid = (labels != -100).astype("float32")
+    gb = ref.grads_ref(rounded, eye, labels, b32, stats_b[0], valid * (1 + 0.02 * stats_b[0]) * 0.5, valid * 0.5,
+                       vocab_total=total, label_smoothing=0.1, transpose_y=True, vocab_start=start, softcap=5.0)
+    g_logits = gb[0]  # d loss / d logits [T, V]: the "hidden" gradient through the identity weight
+    want_dh = paddle.matmul(g_logits, w32, transpose_y=not transpose_y)
+    want_dw = paddle.matmul(g_logits, h32, transpose_x=True)
+    assert_close("bounded dh", dh.astype("float32").numpy(), want_dh.numpy(), dtype, baseline_err=4e-3)
+    got_dw = dw.astype("float32").numpy() if transpose_y else dw.astype("float32").numpy().T
+    assert_close("bounded dw", got_dw, want_dw.numpy(), dtype, baseline_err=4e-3)
+    assert_close("bounded dbias", dbias_acc.numpy() * 0.5, gb[2].numpy(), "float32")
+
+
 def test_layer_own_and_tied_weights():
     D, V = 24, 64
     hidden, _, _, labels = _inputs("float32", (2, 5), D, V, True)
@@ -405,6 +461,11 @@ def test_bad_input_raises_clear_errors():
         linear_cross_entropy(h, w, labels, tp_group="model")
     with pytest.raises(ValueError, match="backend"):
         linear_cross_entropy(h, w, labels, backend="cudnn")
+    for backend in BACKENDS:  # the bound is checked where it goes unused too
+        with pytest.raises(ValueError, match="max_workspace_gib: expected None or a number > 0"):
+            linear_cross_entropy(h, w, labels, max_workspace_gib=-1.0, backend=backend)
+        with pytest.raises(ValueError, match="max_workspace_gib: .* holds no token's logits"):
+            linear_cross_entropy(h, w, labels, max_workspace_gib=1e-6, backend=backend)
 
 
 class _StandIn:

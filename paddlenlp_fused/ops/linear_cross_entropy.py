@@ -452,6 +452,11 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
     filter_e_grad, filter_c_grad = _check_flag("filter_e_grad", filter_e_grad), _check_flag("filter_c_grad",
                                                                                             filter_c_grad)
     accum_c_fp32 = _check_flag("accum_c_fp32", accum_c_fp32)
+    if workspace_bytes is not None:  # the same error on every backend, also where the bound goes unused
+        n_tok = 1
+        for size in hidden.shape[:-1]:
+            n_tok *= size
+        kernels.bounded_plan(n_tok, V, T.dtype_name(hidden), workspace_bytes - 32 * max(n_tok, 1))
     pg = vocab_parallel.resolve_group(tp_group)
     if sequence_parallel and steps and pg is not None:
         raise ValueError("shift: not supported with sequence_parallel (shift the labels before scattering them)")
