@@ -2,8 +2,8 @@
 
 ``paddlenlp``: ``swap_fused_layers(model)`` replaces a PaddleNLP model's layers with ours in place.
 ``enable()`` / ``disable()``: make PaddleNLP's own optional fast paths (its imports of ``paddlenlp_kernel``
-and ``mamba_ssm_paddle``) resolve to our ops (``paddlenlp_shims``). Nothing here imports PaddleNLP or the
-ops until called.
+and ``mamba_ssm_paddle``) resolve to our ops (``paddlenlp_shims``), before or after PaddleNLP is imported.
+Neither imports PaddleNLP; our ops load when PaddleNLP first uses them.
 """
 
 
