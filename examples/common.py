@@ -109,8 +109,8 @@ def sample_batch(data, batch: int, seq: int, rng):
 
 def example_args(description, sizes, plot, argv=None, default_lr=3e-3, fleet=False):
     """The flags every example takes (and, with ``fleet``, ``--tensor-parallel`` / ``--sequence-parallel``);
-    sets Paddle's device and seed from them. ``plot``: the default PNG name; ``args.config``: the size's
-    config with ``--batch`` applied."""
+    sets Paddle's device and seed from them. ``plot``: the default PNG name, or a function of the parsed
+    flags that returns it; ``args.config``: the size's config with ``--batch`` applied."""
     parser = argparse.ArgumentParser(description=description)
     if fleet:
         parser.add_argument("--tensor-parallel", type=int, default=1,
@@ -127,7 +127,7 @@ def example_args(description, sizes, plot, argv=None, default_lr=3e-3, fleet=Fal
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default=None, help=f"loss-curve PNG (default {plot})")
     args = parser.parse_args(argv)
-    args.plot = args.plot or plot
+    args.plot = args.plot or (plot(args) if callable(plot) else plot)
     args.config = dict(sizes[args.size], **({"batch": args.batch} if args.batch else {}))
     paddle.set_device(args.device)
     paddle.seed(args.seed)
@@ -161,9 +161,9 @@ def describe(label: str, model, data, vocab: int, layers, fused: bool):
 
 
 def fit(model, opt, data, cfg, steps, rng, loss_of, after_backward=None, show=True):
-    """Train ``steps`` steps with a progress line (``show``); returns the losses and the mean step time
-    (seconds, the first step left out: it builds kernels and caches). ``loss_of(model, inputs, labels)``
-    is the scalar loss; ``after_backward`` runs between backward and the optimizer step."""
+    """Train ``steps`` steps with a progress line and the mean step time (the first step left out: it
+    builds kernels and caches) when ``show``; returns the losses. ``loss_of(model, inputs, labels)`` is
+    the scalar loss; ``after_backward`` runs between backward and the optimizer step."""
     losses, times, tokens_seen, start = [], [], 0, time.time()
     for step in range(1, steps + 1):
         inputs, labels = sample_batch(data, cfg["batch"], cfg["seq"], rng)
@@ -182,12 +182,12 @@ def fit(model, opt, data, cfg, steps, rng, loss_of, after_backward=None, show=Tr
             sys.stdout.write(f"\r[{'#' * done}{'.' * (30 - done)}] step {step}/{steps} loss {losses[-1]:.4f} "
                              f"{tokens_seen / (time.time() - start):,.0f} tok/s")
             sys.stdout.flush()
-    step_time = float(np.mean(times[1:] if len(times) > 1 else times))
     if show:
+        step_time = float(np.mean(times[1:] if len(times) > 1 else times))
         print(f"\n{steps} steps in {time.time() - start:.1f} s, {step_time:.3f} s a step (after the first)")
     if not all(math.isfinite(v) for v in losses):
         raise SystemExit("loss is not finite")
-    return losses, step_time
+    return losses
 
 
 def finish(losses, data, title: str, path: str):

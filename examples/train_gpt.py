@@ -68,7 +68,7 @@ def train(name, sizes, build_model, argv=None, default_lr=3e-3, loss_of=labelled
     data = make_data(args.data, cfg["vocab"], rng)
     label = f"{'fused' if args.fused else 'plain'} {name}"
     describe(f"{label} {args.size}", model, data, cfg["vocab"], layers, args.fused)
-    losses, _ = fit(model, opt, data, cfg, args.steps, rng, loss_of=loss_of)
+    losses = fit(model, opt, data, cfg, args.steps, rng, loss_of=loss_of)
     finish(losses, data, plot_title(label, args.size, args.fused), args.plot)
     return losses
 

@@ -204,20 +204,25 @@ def main_fleet(args):
         layers = ["swap_fused_layers (report above)", "FusedAdamW"] if args.fused else \
             ["fleet's parallel layers", "paddle.optimizer.AdamW"]
         describe(f"{name} {args.size}, {world} processes", model, data, cfg["vocab"], layers, args.fused)
-    losses, _ = fit(model, opt, data, cfg, args.steps, rng, loss_of=loss_of, after_backward=after_backward,
-                    show=leader)
-    if not leader:  # into the launcher's worker log
-        print(f"rank {dist.get_rank()}: final loss {np.mean(losses[-5:]):.4f} (start {losses[0]:.4f})")
+    losses = fit(model, opt, data, cfg, args.steps, rng, loss_of=loss_of, after_backward=after_backward,
+                 show=leader)
     if leader:
         finish(losses, data, plot_title(name, args.size, args.fused), args.plot)
+    else:  # into the launcher's worker log
+        print(f"rank {dist.get_rank()}: final loss {np.mean(losses[-5:]):.4f} (start {losses[0]:.4f})")
     return losses
 
 
-def main(argv=None):
-    args = example_args(__doc__.splitlines()[0], SIZES, "train_llama_loss.png", argv, fleet=True)
+def _default_plot(args):
+    """Distinct names for the single-process and fleet runs, so that neither overwrites the other."""
     if args.tensor_parallel > 1 or args.sequence_parallel:
-        if args.plot == "train_llama_loss.png":  # the single-process run's default: keep both
-            args.plot = f"train_llama_tp{args.tensor_parallel}{'_sp' if args.sequence_parallel else ''}_loss.png"
+        return f"train_llama_tp{args.tensor_parallel}{'_sp' if args.sequence_parallel else ''}_loss.png"
+    return "train_llama_loss.png"
+
+
+def main(argv=None):
+    args = example_args(__doc__.splitlines()[0], SIZES, _default_plot, argv, fleet=True)
+    if args.tensor_parallel > 1 or args.sequence_parallel:
         return main_fleet(args)
     rng = np.random.default_rng(args.seed)
     cfg = args.config
@@ -226,7 +231,7 @@ def main(argv=None):
     data = make_data(args.data, cfg["vocab"], rng)
     label = f"{'fused' if args.fused else 'plain'} LLaMA {args.size}"
     describe(label, model, data, cfg["vocab"], FUSED_LAYERS if args.fused else PLAIN_LAYERS, args.fused)
-    losses, _ = fit(model, opt, data, cfg, args.steps, rng, loss_of=lambda m, x, y: m(x, y))
+    losses = fit(model, opt, data, cfg, args.steps, rng, loss_of=lambda m, x, y: m(x, y))
     finish(losses, data, plot_title(f"{'fused' if args.fused else 'plain'} LLaMA", args.size, args.fused), args.plot)
     return losses
 

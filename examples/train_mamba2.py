@@ -81,7 +81,7 @@ def main(argv=None):
          "paddle.optimizer.AdamW"]
     describe(f"{label} {args.size}", model, data, cfg["vocab"], layers, args.fused)
     with contextlib.nullcontext() if args.fused else pf.use_backend("reference"):
-        losses, _ = fit(model, opt, data, cfg, args.steps, rng, loss_of=lambda m, x, y: m(x, y))
+        losses = fit(model, opt, data, cfg, args.steps, rng, loss_of=lambda m, x, y: m(x, y))
     finish(losses, data, plot_title(label, args.size, args.fused), args.plot)
     return losses
 
