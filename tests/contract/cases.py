@@ -56,6 +56,7 @@ class Entry:
     low_precision: Optional[tuple] = None
     o1: bool = True  # O1 (bf16 activations, fp32 weights) is accepted by the plain composition too
     amp_factor: Optional[float] = None  # see test_amp_dtypes: chains of bfloat16 roundings
+    token_sums: bool = False  # the weights' gradients are sums over every token that cancel (see the suite)
     notes: dict = field(default_factory=dict)
     # check (or (check, backend)) -> a defect of a file owned elsewhere, reported: a strict xfail
     known: dict = field(default_factory=dict)
@@ -404,5 +405,9 @@ MAMBA2 = [
           build=built(pf.Mamba2Block, 8, d_state=4, d_conv=3, expand=1, headdim=4, chunk_size=8),
           notes={"amp": _NO_CPU_BF16_LINEAR}),
 ]
+
+# dA, dD, d(dt_bias), the conv weights' gradients: sums over every token whose terms cancel
+for _entry in MAMBA + MAMBA2:
+    _entry.token_sums = True
 
 ENTRIES = NORMS + GATED + DENSE + LOSSES + MAMBA + MAMBA2

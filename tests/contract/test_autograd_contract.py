@@ -127,10 +127,22 @@ def _check_outputs(case, outs, what, dtype="float32"):
         assert_close(f"{what} output {i}", _np(o), e, dtype)
 
 
-def _check_grad(case, name, got, what, extra=0.0, dtype="float32"):
+def _is_weight(entry, name):
+    return name.startswith("param:") or (entry.low_precision is not None and name not in entry.low_precision)
+
+
+def _check_grad(case, name, got, what, extra=0.0, spread=None):
+    """A float32 gradient against the plain composition's. A weight's gradient that sums terms over
+    every token which cancel (``token_sums``) is bounded by DESIGN.md against the sum of its terms'
+    magnitudes, not at hand here: within SUM_FACTOR times the float32 bound (1.3e-5 to 2.5e-5 seen
+    for dA; an alias, a lost accumulation or a stray gradient is off by O(1))."""
     _, _, grads = case.expected()
     assert got is not None, f"{what}: {name} got no gradient"
-    assert_close(f"{what} d{name}", _np(got) - extra, grads[name], dtype)
+    expected = grads[name] if spread is None else spread(grads[name])  # (spread: onto a view's storage)
+    if case.entry.token_sums and _is_weight(case.entry, name):
+        _check_within(f"{what} d{name}", _np(got) - extra, expected, SUM_FACTOR * bound_for("float32"))
+    else:
+        assert_close(f"{what} d{name}", _np(got) - extra, expected, "float32")
 
 
 def _other_consumers(t):
@@ -245,7 +257,7 @@ def _strided_view(t):
 @pytest.mark.parametrize("entry,backend", _backend_params(ENTRIES, "non_contiguous"))
 def test_non_contiguous_inputs(entry, backend):
     case = Case(entry, backend)
-    _, weights, grads = case.expected()
+    _, weights, _ = case.expected()
     views = {k: _strided_view(case.values[k]) for k in case.float_names if case.values[k].size}
     assert any(not view.is_contiguous() for _, view, _ in views.values()), "no input view is non-contiguous"
     outs = case.call({**case.values, **{k: view for k, (_, view, _) in views.items()}})
@@ -253,7 +265,7 @@ def test_non_contiguous_inputs(entry, backend):
     _loss(outs, weights).backward()
     for name, (storage, _, spread) in views.items():
         assert storage.grad is not None, f"{name}: no gradient through the view"
-        assert_close(f"non-contiguous d{name}", _np(storage.grad), spread(grads[name]), "float32")
+        _check_grad(case, name, storage.grad, "non-contiguous", spread=spread)
     for p in case.params().values():
         p.clear_gradient(False)
 
