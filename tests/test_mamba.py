@@ -514,16 +514,34 @@ def _inner_inputs(batch=2, dim=8, seqlen=13, dstate=4, rank=2, d_model=5, width=
                 C_proj_bias=_leaf((dstate,), scale=0.2))
 
 
+def _rms64(t, w, eps, axis):
+    """RMSNorm over ``axis`` in float64 (the weight along it)."""
+    shape = [1] * t.ndim
+    shape[axis] = t.shape[axis]
+    return t / paddle.sqrt((t * t).mean(axis=axis, keepdim=True) + eps) * w.reshape(shape)
+
+
 def _inner64(a):
-    """The composition in float64: conv, projections, sequential scan, output projection."""
+    """The composition in float64: conv, projections (B after dt's columns, C in the last ones, each
+    unless given), the optional B/C/dt RMSNorms, sequential scan, output projection."""
     batch, two_dim, seqlen = a["xz"].shape
     dim, rank, dstate = two_dim // 2, a["delta_proj_weight"].shape[0], a["A"].shape[1]
+    eps = a.get("b_c_dt_rms_eps", 1e-6)
     x, z = a["xz"][:, :dim], a["xz"][:, dim:]
     xc = conv64(x, a["conv1d_weight"].reshape([dim, -1]), a["conv1d_bias"], activation="silu")
-    x_dbl = paddle.matmul(xc.transpose([0, 2, 1]), a["x_proj_weight"])  # [b, l, r + 2n]
+    x_dbl = paddle.matmul(xc.transpose([0, 2, 1]), a["x_proj_weight"])  # [b, l, r (+ n) (+ n)]
     delta = paddle.matmul(x_dbl[..., :rank], a["delta_proj_weight"]).transpose([0, 2, 1])
-    B = (x_dbl[..., rank:rank + dstate] + a["B_proj_bias"]).transpose([0, 2, 1])
-    C = (x_dbl[..., rank + dstate:] + a["C_proj_bias"]).transpose([0, 2, 1])
+    if a.get("dt_rms_weight") is not None:
+        delta = _rms64(delta, a["dt_rms_weight"], eps, 1)
+    B, C = a.get("B"), a.get("C")
+    if B is None:
+        B = (x_dbl[..., rank:rank + dstate] + a["B_proj_bias"]).transpose([0, 2, 1])
+    if C is None:
+        C = (x_dbl[..., x_dbl.shape[-1] - dstate:] + a["C_proj_bias"]).transpose([0, 2, 1])
+    if a.get("b_rms_weight") is not None:
+        B = _rms64(B, a["b_rms_weight"], eps, B.ndim - 2)
+    if a.get("c_rms_weight") is not None:
+        C = _rms64(C, a["c_rms_weight"], eps, C.ndim - 2)
     y, _ = scan64(xc, delta, a["A"], B, C, a["D"], z, a["delta_bias"], softplus=True)
     return paddle.matmul(y.transpose([0, 2, 1]), a["out_proj_weight"]) + a["out_proj_bias"]
 
@@ -540,6 +558,69 @@ def test_mamba_inner_fn_equals_composition(checkpoint_lvl):
     grads64 = paddle.grad(y64, [a64[n] for n in names], paddle.to_tensor(to64(dout)))
     assert_close("out", out.numpy(), y64.numpy(), "float32")
     _check_all([f"d{n}" for n in names], grads, grads64, "float32")
+
+
+def _inner_variant(name, dtype="float32", batch=2, dim=8, seqlen=13, dstate=4, rank=2):
+    """_inner_inputs with the Jamba RMSNorms and/or given B/C and an x_proj without their columns."""
+    a = _inner_inputs(batch=batch, dim=dim, seqlen=seqlen, dstate=dstate, rank=rank)
+    rms = dict(b_rms_weight=_leaf((dstate,), offset=1.0, scale=0.3), c_rms_weight=_leaf((dstate,), offset=1.0, scale=0.3),
+               dt_rms_weight=_leaf((dim,), offset=1.0, scale=0.3))
+    if name == "rms":  # Jamba: all three norms, B and C projected
+        a.update(rms, b_c_dt_rms_eps=1e-5)
+    elif name == "given-B-rms":  # input-dependent B given (its bias unused), x_proj [dim, r + n]: C in the last n
+        a.update(rms, B=_leaf((batch, dstate, seqlen)), x_proj_weight=_leaf((dim, rank + dstate), scale=0.4))
+    elif name == "fixed-C":  # fixed C, x_proj [dim, r + n], dt norm only
+        a.update(C=_leaf((dim, dstate)), x_proj_weight=_leaf((dim, rank + dstate), scale=0.4),
+                 dt_rms_weight=rms["dt_rms_weight"])
+    elif name == "both-given":  # grouped B and C given, x_proj [dim, r]: only delta projected
+        a.update(B=_leaf((batch, 2, dstate, seqlen)), C=_leaf((batch, 2, dstate, seqlen)),
+                 x_proj_weight=_leaf((dim, rank), scale=0.4), b_rms_weight=rms["b_rms_weight"],
+                 c_rms_weight=rms["c_rms_weight"])
+    elif name == "given-C-legacy":  # C given with x_proj [dim, r + 2n]: its columns and bias unused
+        a.update(C=_leaf((batch, dstate, seqlen)))
+    if dtype != "float32":
+        for k in ("xz", "x_proj_weight", "delta_proj_weight", "out_proj_weight", "B", "C"):
+            if k in a:
+                a[k] = a[k].detach().astype(dtype)
+                a[k].stop_gradient = False
+    return a
+
+
+INNER_VARIANTS = ("rms", "given-B-rms", "fixed-C", "both-given", "given-C-legacy")
+
+
+@pytest.mark.parametrize("backend,checkpoint_lvl", [("triton", 0), ("triton", 1), ("reference", 1)])
+@pytest.mark.parametrize("variant", INNER_VARIANTS)
+def test_mamba_inner_fn_rms_and_given_bc(variant, backend, checkpoint_lvl):
+    """B/C/dt RMSNorm weights and given B/C (x_proj without their columns): output and every gradient
+    (the norm weights' and an unused bias's zero included) against the float64 composition."""
+    a = _inner_variant(variant)
+    out = mamba_inner_fn(**a, checkpoint_lvl=checkpoint_lvl, backend=backend)
+    dout = randn(out.shape)
+    names = sorted(n for n, t in a.items() if isinstance(t, paddle.Tensor))
+    grads = paddle.grad(out, [a[n] for n in names], dout, allow_unused=True)
+    a64 = {n: as_leaf64(t) if isinstance(t, paddle.Tensor) else t for n, t in a.items()}
+    y64 = _inner64(a64)
+    grads64 = paddle.grad(y64, [a64[n] for n in names], paddle.to_tensor(to64(dout)), allow_unused=True)
+    assert_close("out", out.numpy(), y64.numpy(), "float32")
+    for n, g, w in zip(names, grads, grads64):
+        if w is None:  # unused by the composition (a given B's or C's projection bias): none or zero
+            assert n.endswith("_proj_bias") and (g is None or np.array_equal(to64(g), np.zeros(g.shape))), n
+        else:
+            assert_close(f"d{n}", to64(g), w.numpy(), "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_mamba_inner_fn_rms_low_precision(dtype):
+    """Triton in fp16/bf16 with the norms: within the dtype's bound of the float64 composition, and no
+    further from it than the reference backend in the same dtype (times 2)."""
+    a = _inner_variant("given-B-rms", dtype=dtype)
+    a64 = {n: as_leaf64(t) if isinstance(t, paddle.Tensor) else t for n, t in a.items()}
+    y64 = _inner64(a64).numpy()
+    ref_err = np.linalg.norm(to64(mamba_inner_fn(**a, backend="reference")) - y64) / np.linalg.norm(y64)
+    out = mamba_inner_fn(**a, backend="triton")
+    assert out.dtype == a["xz"].dtype
+    assert_close("out", to64(out), y64, dtype, baseline_err=ref_err)
 
 
 def test_mamba_inner_fn_torch_layout_and_reference_backend():
@@ -626,6 +707,19 @@ def test_bad_input_raises_clear_errors():
         mamba_inner_fn(**a, checkpoint_lvl=2)
     with pytest.raises(ValueError, match="x_proj_weight"):
         mamba_inner_fn(**dict(a, x_proj_weight=randn((8, 7))))
+    for backend in BACKENDS:
+        with pytest.raises(ValueError, match="x_proj_weight"):  # C given: r + n or r + 2n columns, not r
+            mamba_inner_fn(**dict(a, C=randn((8, 4)), x_proj_weight=randn((8, 2))), backend=backend)
+        with pytest.raises(ValueError, match="b_rms_weight"):
+            mamba_inner_fn(**a, b_rms_weight=randn((3,)), backend=backend)
+        with pytest.raises(ValueError, match="dt_rms_weight"):
+            mamba_inner_fn(**a, dt_rms_weight=randn((4,)), backend=backend)
+        with pytest.raises(ValueError, match="c_rms_weight.*fixed C"):
+            mamba_inner_fn(**dict(a, C=randn((8, 4))), c_rms_weight=randn((4,)), backend=backend)
+        with pytest.raises(TypeError, match="c_rms_weight"):
+            mamba_inner_fn(**a, c_rms_weight=paddle.ones([4], dtype="int32"), backend=backend)
+        with pytest.raises(ValueError, match="b_c_dt_rms_eps"):
+            mamba_inner_fn(**a, dt_rms_weight=randn((8,)), b_c_dt_rms_eps=-1.0, backend=backend)
     with pytest.raises(ValueError, match="hidden_act"):
         MambaMixer(d_model=8, hidden_act="gelu")
     mixer = MambaMixer(d_model=8, d_state=3)

@@ -14,10 +14,11 @@ Signatures follow ``mamba_ssm`` as a superset (plus ``backend=``); the causal co
 * ``selective_state_update``: one decoding step, state updated in place (no autograd).
 * ``mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight,
   out_proj_weight, out_proj_bias, A, B=None, C=None, D=None, delta_bias=None, B_proj_bias=None,
-  C_proj_bias=None, delta_softplus=True, checkpoint_lvl=1, is_paddle_linear=True)``: conv,
-  projections, scan and output projection in one PyLayer; ``checkpoint_lvl=1`` recomputes the conv
-  output and delta in backward instead of saving them. ``is_paddle_linear``: the projection weights
-  are Paddle ``Linear`` weights ``[in, out]`` (else torch's ``[out, in]``).
+  C_proj_bias=None, delta_softplus=True, checkpoint_lvl=1, b_rms_weight=None, c_rms_weight=None,
+  dt_rms_weight=None, b_c_dt_rms_eps=1e-6, is_paddle_linear=True)``: conv, projections, the optional
+  B/C/dt RMSNorms (Jamba), scan and output projection in one PyLayer; ``checkpoint_lvl=1``
+  recomputes the conv output and delta in backward instead of saving them. ``is_paddle_linear``: the
+  projection weights are Paddle ``Linear`` weights ``[in, out]`` (else torch's ``[out, in]``).
 
 Backends of the scan (``selective_scan_fn`` and the scan inside ``mamba_inner_fn``): ``cuda``
 (``csrc/selective_scan.cu``), ``triton`` (``kernels/triton/selective_scan.py``), both inside PyLayers
@@ -289,71 +290,124 @@ class MambaInnerFunction(PyLayer):
 
     @staticmethod
     def forward(ctx, xz, conv_w, conv_b, x_proj_w, delta_proj_w, out_proj_w, out_proj_b, A, B, C, D, delta_bias,
-                B_proj_bias, C_proj_bias, delta_softplus, checkpoint_lvl, backend):
+                B_proj_bias, C_proj_bias, b_rms_w, c_rms_w, dt_rms_w, rms_eps, delta_softplus, checkpoint_lvl,
+                backend):
         # the launchers read these with their own strides assumed dense
         xz, conv_w, conv_b, A, D, delta_bias, B_proj_bias, C_proj_bias = (
             contiguous(t) for t in (xz, conv_w, conv_b, A, D, delta_bias, B_proj_bias, C_proj_bias))
         dim = xz.shape[1] // 2
         x, z = contiguous(xz[:, :dim]), contiguous(xz[:, dim:])
         conv_out = conv_launch_fwd(x, conv_w, conv_b, None, None, "silu")
-        x_dbl = mm(x_proj_w, conv_out, transpose_a=True)  # [batch, r + 2 n, seqlen]
-        rank, rows = delta_proj_w.shape[0], _projected_rows(A)
+        x_dbl = mm(x_proj_w, conv_out, transpose_a=True)  # [batch, r (+ n) (+ n), seqlen]
+        rank = delta_proj_w.shape[0]
         delta = mm(delta_proj_w, x_dbl[:, :rank], transpose_a=True)  # [batch, dim, seqlen]
-        B_in = _projected(x_dbl, rank, rows, B_proj_bias, A) if B is None else contiguous(B)
-        C_in = _projected(x_dbl, rank + rows, rows, C_proj_bias, A) if C is None else contiguous(C)
-        out_z, states, _, plan = _scan_launch_fwd(backend, conv_out, delta, A, B_in, C_in, D, z, delta_bias,
+        ctx.rms_eps = rms_eps
+        (delta_n, _, _), (B_n, _, _), (C_n, _, _) = _scan_bc_dt(x_dbl, rank, A, B, C, B_proj_bias, C_proj_bias,
+                                                                delta, (b_rms_w, c_rms_w, dt_rms_w, rms_eps))
+        out_z, states, _, plan = _scan_launch_fwd(backend, conv_out, delta_n, A, B_n, C_n, D, z, delta_bias,
                                                   delta_softplus, True, False)
         out = mm(out_z, out_proj_w, transpose_a=True)  # [batch, seqlen, d_model]
         if out_proj_b is not None:
             out = add(out, out_proj_b)
         keep = (conv_out, delta) if checkpoint_lvl == 0 else (None, None)
         ctx.save_for_backward(xz, conv_w, conv_b, x_proj_w, delta_proj_w, out_proj_w, out_proj_b, A, B, C, D,
-                              delta_bias, B_proj_bias, C_proj_bias, x_dbl, states, *keep)
+                              delta_bias, B_proj_bias, C_proj_bias, b_rms_w, c_rms_w, dt_rms_w, x_dbl, states, *keep)
         ctx.plan, ctx.delta_softplus, ctx.backend = plan, delta_softplus, backend
         ctx.needs_grad = needs_grad(xz, conv_w, conv_b, x_proj_w, delta_proj_w, out_proj_w, out_proj_b, A, B, C, D,
-                                     delta_bias, B_proj_bias, C_proj_bias)
+                                     delta_bias, B_proj_bias, C_proj_bias, b_rms_w, c_rms_w, dt_rms_w)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         (xz, conv_w, conv_b, x_proj_w, delta_proj_w, out_proj_w, out_proj_b, A, B, C, D, delta_bias, B_proj_bias,
-         C_proj_bias, x_dbl, states, conv_out, delta) = ctx.saved_tensor()
+         C_proj_bias, b_rms_w, c_rms_w, dt_rms_w, x_dbl, states, conv_out, delta) = ctx.saved_tensor()
         dim = xz.shape[1] // 2
         rank, rows = delta_proj_w.shape[0], _projected_rows(A)
         x, z = contiguous(xz[:, :dim]), contiguous(xz[:, dim:])
         if conv_out is None:  # checkpoint_lvl 1: recompute
             conv_out = conv_launch_fwd(x, conv_w, conv_b, None, None, "silu")
             delta = mm(delta_proj_w, x_dbl[:, :rank], transpose_a=True)
-        B_in = _projected(x_dbl, rank, rows, B_proj_bias, A) if B is None else contiguous(B)
-        C_in = _projected(x_dbl, rank + rows, rows, C_proj_bias, A) if C is None else contiguous(C)
+        rms = (b_rms_w, c_rms_w, dt_rms_w, ctx.rms_eps)
+        (delta_n, _, dt_rstd), (B_n, B_raw, B_rstd), (C_n, C_raw, C_rstd) = _scan_bc_dt(
+            x_dbl, rank, A, B, C, B_proj_bias, C_proj_bias, delta, rms)
         dout = contiguous(dout)
         dout_z = mm(out_proj_w, dout, transpose_b=True)  # [batch, dim, seqlen]
         du, ddelta, dA, dB, dC, dD, dz, ddb, out_z = _scan_launch_bwd(
-            ctx.backend, (conv_out, delta, A, B_in, C_in, D, z, delta_bias, states), dout_z, ctx.plan,
+            ctx.backend, (conv_out, delta_n, A, B_n, C_n, D, z, delta_bias, states), dout_z, ctx.plan,
             ctx.delta_softplus, True)
+        # back through the RMSNorms: gradients of the raw delta / B / C and of the norm weights
+        d_dt_rms_w = d_b_rms_w = d_c_rms_w = None
+        if dt_rms_w is not None:
+            ddelta, d_dt_rms_w = _rms_bwd(ddelta, delta, dt_rms_w, dt_rstd)
+            ddelta = cast_like(ddelta, delta)
+        if b_rms_w is not None:
+            dB, d_b_rms_w = _rms_bwd(dB, B_raw, b_rms_w, B_rstd)
+        if c_rms_w is not None:
+            dC, d_c_rms_w = _rms_bwd(dC, C_raw, c_rms_w, C_rstd)
         d_out_proj_w = _batch_sum_mm(out_z, dout.transpose([0, 2, 1]))
         d_out_proj_b = None if out_proj_b is None else dout.astype("float32").sum(axis=[0, 1]).astype(out_proj_b.dtype)
-        # gradient of x_dbl [batch, r + 2n, seqlen]: delta's rows, then B's and C's when projected
+        # gradient of x_dbl [batch, r (+ n) (+ n), seqlen]: delta's rows, then B's and C's when projected
+        # (zero rows for a given B or C that x_proj still has columns for)
         parts = [mm(delta_proj_w, ddelta)]
+        both = x_dbl.shape[1] == rank + 2 * rows
         if B is None:
             dB = _unprojected(dB, A)
+            parts.append(cast_like(dB, x_dbl))
+        elif both:
+            parts.append(paddle.zeros_like(x_dbl[:, rank:rank + rows]))
         if C is None:
             dC = _unprojected(dC, A)
-        parts.append(cast_like(dB, x_dbl) if B is None else paddle.zeros_like(x_dbl[:, rank:rank + rows]))
-        parts.append(cast_like(dC, x_dbl) if C is None else paddle.zeros_like(x_dbl[:, rank + rows:]))
+            parts.append(cast_like(dC, x_dbl))
+        elif both:
+            parts.append(paddle.zeros_like(x_dbl[:, rank + rows:]))
         dx_dbl = paddle.concat(parts, axis=1)
         d_delta_proj_w = _batch_sum_mm(x_dbl[:, :rank], ddelta)
         d_x_proj_w = _batch_sum_mm(conv_out, dx_dbl)
         dconv_out = add(du, mm(x_proj_w, dx_dbl))
         dx, dconv_w, dconv_b, _ = conv_launch_bwd(x, conv_w, conv_b, None, None, dconv_out, "silu")
         dxz = paddle.concat([dx, dz], axis=1)
-        dB_bias = None if B_proj_bias is None else cast_like(dB.sum(axis=[0, 2]), B_proj_bias)
-        dC_bias = None if C_proj_bias is None else cast_like(dC.sum(axis=[0, 2]), C_proj_bias)
+        # a bias of a given B or C goes unused (mamba_ssm's): zero gradient
+        dB_bias = None if B_proj_bias is None else cast_like(
+            dB.sum(axis=[0, 2]) if B is None else paddle.zeros_like(B_proj_bias), B_proj_bias)
+        dC_bias = None if C_proj_bias is None else cast_like(
+            dC.sum(axis=[0, 2]) if C is None else paddle.zeros_like(C_proj_bias), C_proj_bias)
         candidates = ((dxz, xz), (dconv_w, conv_w), (dconv_b, conv_b), (d_x_proj_w, x_proj_w),
                       (d_delta_proj_w, delta_proj_w), (d_out_proj_w, out_proj_w), (d_out_proj_b, out_proj_b),
                       (cast_like(dA, A), A), (cast_like(dB, B), B), (cast_like(dC, C), C), (cast_like(dD, D), D),
-                      (cast_like(ddb, delta_bias), delta_bias), (dB_bias, B_proj_bias), (dC_bias, C_proj_bias))
+                      (cast_like(ddb, delta_bias), delta_bias), (dB_bias, B_proj_bias), (dC_bias, C_proj_bias),
+                      (cast_like(d_b_rms_w, b_rms_w), b_rms_w), (cast_like(d_c_rms_w, c_rms_w), c_rms_w),
+                      (cast_like(d_dt_rms_w, dt_rms_w), dt_rms_w))
         return grads_for(ctx, [g for g, t in candidates if t is not None])
+
+
+def _scan_bc_dt(x_dbl, rank, A, B, C, B_proj_bias, C_proj_bias, delta, rms):
+    """The scan's delta, B and C from x_dbl (B after delta's rows, C in the last rows: mamba_ssm's
+    layout) or as given, each as (normed, raw, rstd) through the optional RMSNorms of
+    ``rms = (b_weight, c_weight, dt_weight, eps)`` (raw and rstd None without one)."""
+    b_w, c_w, dt_w, eps = rms
+    rows = _projected_rows(A)
+    B_raw = _projected(x_dbl, rank, rows, B_proj_bias, A) if B is None else contiguous(B)
+    C_raw = _projected(x_dbl, x_dbl.shape[1] - rows, rows, C_proj_bias, A) if C is None else contiguous(C)
+    return tuple(_rms_fwd(t, w, eps) for t, w in ((delta, dt_w), (B_raw, b_w), (C_raw, c_w)))
+
+
+def _rms_fwd(t, w, eps):
+    """(RMSNorm of t over axis -2 with weight w, in t's dtype; t; rstd float32), or (t, None, None)."""
+    if w is None:
+        return t, None, None
+    tf = t.astype("float32")
+    rstd = paddle.rsqrt((tf * tf).mean(axis=-2, keepdim=True) + eps)
+    return contiguous((tf * rstd * w.astype("float32")[:, None]).astype(t.dtype)), t, rstd
+
+
+def _rms_bwd(dy, t, w, rstd):
+    """(dt, dw) in float32 of ``_rms_fwd``: dt = rstd (g - xhat mean(g xhat)) with g = dy w."""
+    xhat = t.astype("float32") * rstd
+    dyf = dy.astype("float32")
+    g = dyf * w.astype("float32")[:, None]
+    dt = rstd * (g - xhat * (g * xhat).mean(axis=-2, keepdim=True))
+    dw = (dyf * xhat).sum(axis=[i for i in range(t.ndim) if i != t.ndim - 2])
+    return dt, dw
 
 
 def _projected_rows(A):
@@ -384,12 +438,17 @@ def _unprojected(g, A):
 
 def mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight, out_proj_weight, out_proj_bias,
                    A, B=None, C=None, D=None, delta_bias=None, B_proj_bias=None, C_proj_bias=None,
-                   delta_softplus=True, checkpoint_lvl=1, is_paddle_linear=True, backend: str = "auto"):
+                   delta_softplus=True, checkpoint_lvl=1, b_rms_weight=None, c_rms_weight=None, dt_rms_weight=None,
+                   b_c_dt_rms_eps=1e-6, is_paddle_linear=True, backend: str = "auto"):
     """Mamba-1 inner block: xz ``[batch, 2 dim, seqlen]`` -> ``[batch, seqlen, d_model]`` (see the
     module docstring). conv1d_weight ``[dim, width]`` or ``[dim, 1, width]``; with
-    ``is_paddle_linear`` x_proj_weight ``[dim, r + 2 dstate]``, delta_proj_weight ``[r, dim]``,
-    out_proj_weight ``[dim, d_model]`` (torch layout transposed otherwise). The projection weights
-    are cast to xz's dtype (their gradients come back in their own)."""
+    ``is_paddle_linear`` x_proj_weight ``[dim, r + 2 dstate]`` (``r + dstate`` or ``r`` when B and/or
+    C are given: mamba_ssm takes B from the columns after r and C from the last ones),
+    delta_proj_weight ``[r, dim]``, out_proj_weight ``[dim, d_model]`` (torch layout transposed
+    otherwise). ``b_rms_weight``/``c_rms_weight`` ``[dstate]``, ``dt_rms_weight`` ``[dim]``: RMSNorms
+    (eps ``b_c_dt_rms_eps``) of the input-dependent B and C over dstate and of delta (before
+    delta_bias) over dim, as Jamba uses them; real A only. The projection weights are cast to xz's
+    dtype (their gradients come back in their own)."""
     check_tensor("xz", xz)
     if xz.ndim != 3 or xz.shape[1] % 2:
         raise ValueError(f"xz: expected [batch, 2 * dim, seqlen], got shape {list(xz.shape)}")
@@ -417,9 +476,12 @@ def mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_wei
     if list(delta_proj_w.shape) != [rank, dim]:
         raise ValueError(f"delta_proj_weight: expected [dt_rank, dim={dim}] (Paddle layout), got "
                          f"{list(delta_proj_weight.shape)}")
-    if list(x_proj_w.shape) != [dim, rank + 2 * dstate]:
-        raise ValueError(f"x_proj_weight: expected [dim={dim}, dt_rank + 2 * dstate = {rank + 2 * dstate}] "
-                         f"(Paddle layout), got {list(x_proj_weight.shape)}")
+    projected = (B is None) + (C is None)
+    widths = sorted({rank + projected * dstate, rank + 2 * dstate})
+    if x_proj_w.shape[0] != dim or x_proj_w.shape[1] not in widths:
+        raise ValueError(f"x_proj_weight: expected [dim={dim}, dt_rank + {projected} projected of B, C * dstate = "
+                         f"{widths[0]}{' or ' + str(widths[1]) if len(widths) > 1 else ''}] (Paddle layout), got "
+                         f"{list(x_proj_weight.shape)}")
     if out_proj_w.shape[0] != dim:
         raise ValueError(f"out_proj_weight: expected [dim={dim}, d_model] (Paddle layout), got "
                          f"{list(out_proj_weight.shape)}")
@@ -432,15 +494,31 @@ def mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_wei
     for name, t in (("B", B), ("C", C)):
         if t is not None:
             _check_bc(name, t, batch, dim, A.shape[1], seqlen, complex_A)
+    for name, t, size, of in (("b_rms_weight", b_rms_weight, dstate, B), ("c_rms_weight", c_rms_weight, dstate, C),
+                              ("dt_rms_weight", dt_rms_weight, dim, None)):
+        if t is None:
+            continue
+        check_tensor(name, t)
+        check_shape(name, t, [size])
+        if complex_A:
+            raise ValueError(f"{name}: the B/C/dt RMSNorms take real A only (mamba_ssm's), got A {T.dtype_name(A)}")
+        if of is not None and of.ndim == 2:
+            raise ValueError(f"{name}: normalises an input-dependent {name[0].upper()} over dstate; "
+                             f"got a fixed {name[0].upper()} {list(of.shape)}")
+    if not isinstance(b_c_dt_rms_eps, (int, float)) or isinstance(b_c_dt_rms_eps, bool) or \
+            not b_c_dt_rms_eps >= 0:
+        raise ValueError(f"b_c_dt_rms_eps: expected a float >= 0, got {b_c_dt_rms_eps!r}")
     chosen = resolve_backend("mamba_inner", backend, device_of(xz), implemented=SCAN_IMPLEMENTED,
                              unsupported=_scan_unsupported(complex_A, batch, A.shape[1],
                                                            _cuda_dtype_issue(xz, None, None, A, B, C, D, delta_bias)),
                              prefer=("cuda",) if complex_A else SCAN_AUTO_ORDER)
     if chosen == "reference" or xz.size == 0:
         return ref.mamba_inner_ref(xz, conv_w, conv1d_bias, x_proj_w, delta_proj_w, out_proj_w, out_proj_bias, A,
-                                   B, C, D, delta_bias, B_proj_bias, C_proj_bias, delta_softplus, True)
+                                   B, C, D, delta_bias, B_proj_bias, C_proj_bias, delta_softplus, True,
+                                   b_rms_weight, c_rms_weight, dt_rms_weight, float(b_c_dt_rms_eps))
     x_proj_w, delta_proj_w, out_proj_w = (w if w.dtype == xz.dtype else w.astype(xz.dtype)
                                           for w in (x_proj_w, delta_proj_w, out_proj_w))
     return MambaInnerFunction.apply(xz, conv_w, conv1d_bias, x_proj_w, delta_proj_w, out_proj_w, out_proj_bias, A,
-                                    B, C, D, delta_bias, B_proj_bias, C_proj_bias, bool(delta_softplus),
-                                    int(checkpoint_lvl), chosen)
+                                    B, C, D, delta_bias, B_proj_bias, C_proj_bias, b_rms_weight, c_rms_weight,
+                                    dt_rms_weight, float(b_c_dt_rms_eps), bool(delta_softplus), int(checkpoint_lvl),
+                                    chosen)

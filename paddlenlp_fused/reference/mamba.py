@@ -15,7 +15,8 @@ Autograd goes through the casts, so the references are differentiable in every i
 * ``causal_conv1d_ref``: depthwise causal conv as a sum of ``width`` shifted slices of the input
   padded on the left with ``initial_states`` (zeros by default), masked where ``seq_idx`` changes.
 * ``causal_conv1d_update_ref`` / ``selective_state_update_ref``: decoding steps, state in place.
-* ``mamba_inner_ref``: conv, projections, scan and output projection composed.
+* ``mamba_inner_ref``: conv, projections, the optional B/C/dt RMSNorms, scan and output projection
+  composed.
 """
 
 from __future__ import annotations
@@ -216,14 +217,25 @@ def conv_weight_2d(conv1d_weight):
     return conv1d_weight.reshape([conv1d_weight.shape[0], conv1d_weight.shape[-1]])
 
 
+def rms_norm_axis(t, weight, eps, axis):
+    """RMSNorm of t over ``axis`` (weight laid along it), in t's dtype (float32 or float64)."""
+    rstd = paddle.rsqrt((t * t).mean(axis=axis, keepdim=True) + eps)
+    shape = [1] * t.ndim
+    shape[axis] = t.shape[axis]
+    return t * rstd * weight.astype(t.dtype).reshape(shape)
+
+
 def mamba_inner_ref(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight, out_proj_weight,
                     out_proj_bias, A, B=None, C=None, D=None, delta_bias=None, B_proj_bias=None,
-                    C_proj_bias=None, delta_softplus=True, is_paddle_linear=True):
+                    C_proj_bias=None, delta_softplus=True, is_paddle_linear=True, b_rms_weight=None,
+                    c_rms_weight=None, dt_rms_weight=None, b_c_dt_rms_eps=1e-6):
     """Mamba-1 inner block composed from the references: xz [b, 2d, l] -> out [b, l, d_model].
 
     x, z = split(xz); x = silu(conv(x)); x_dbl = x^T @ x_proj; delta = x_dbl[:, :r] @ delta_proj;
-    B, C = x_dbl's next dstate columns each (unless given); y = scan(x, delta, A, B, C, D, z);
-    out = y^T @ out_proj + out_proj_bias."""
+    B = x_dbl's dstate columns after r, C = its last dstate columns (each unless given, mamba_ssm's
+    layout: x_proj has no columns for a given B or C, or 2 dstate of which the given one's go unused);
+    B, C, delta RMS-normalised over dstate (dim for delta) with ``b/c/dt_rms_weight`` (Jamba);
+    y = scan(x, delta, A, B, C, D, z); out = y^T @ out_proj + out_proj_bias."""
     cdt = _compute_dtype(xz)
     batch, two_dim, seqlen = xz.shape
     dim = two_dim // 2
@@ -237,6 +249,8 @@ def mamba_inner_ref(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_we
                                  activation="silu")
     x_dbl = paddle.matmul(conv_out.transpose([0, 2, 1]).reshape([batch * seqlen, dim]), x_proj)
     delta = paddle.matmul(x_dbl[:, :rank], delta_proj).reshape([batch, seqlen, dim]).transpose([0, 2, 1])
+    if dt_rms_weight is not None:
+        delta = rms_norm_axis(delta, dt_rms_weight, b_c_dt_rms_eps, 1)
 
     def projected(start, bias):
         t = x_dbl[:, start:start + dstate]
@@ -249,7 +263,11 @@ def mamba_inner_ref(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_we
         return t.transpose([0, 2, 1])
 
     B = projected(rank, B_proj_bias) if B is None else B
-    C = projected(rank + dstate, C_proj_bias) if C is None else C
+    C = projected(x_dbl.shape[1] - dstate, C_proj_bias) if C is None else C
+    if b_rms_weight is not None:  # over dstate: axis -2 of [b, (g,) n, l]
+        B = rms_norm_axis(B.astype(cdt), b_rms_weight, b_c_dt_rms_eps, B.ndim - 2)
+    if c_rms_weight is not None:
+        C = rms_norm_axis(C.astype(cdt), c_rms_weight, b_c_dt_rms_eps, C.ndim - 2)
     y = selective_scan_ref(conv_out, delta, A, B, C, D, z, delta_bias, delta_softplus)
     out = paddle.matmul(y.transpose([0, 2, 1]), out_proj)
     if out_proj_bias is not None:

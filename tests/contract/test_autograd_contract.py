@@ -21,12 +21,8 @@ from cases import ENTRIES
 from paddlenlp_fused.testing.numerics import ELEMENTWISE_FACTOR, assert_close, bound_for, max_err, rel_err
 
 FLOATS = (paddle.float16, paddle.bfloat16, paddle.float32, paddle.float64)
-SUM_FACTOR = 8
+SUM_FACTOR = 8  # sums over every token (weights' gradients): see _check_grad and test_amp_dtypes
 PRE, POST = 0.75, 0.25  # other consumers: PRE * sum(tanh(t)) before the op, POST * sum(t * t) after it
-
-
-def _ids(entries):
-    return [e.name for e in entries]
 
 
 def _backend_params(entries, check):
