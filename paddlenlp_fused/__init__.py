@@ -53,6 +53,7 @@ _EXPORTS = {
     "selective_scan_fn": "ops.mamba",
     "causal_conv1d_fn": "ops.causal_conv1d",
     "causal_conv1d_update": "ops.causal_conv1d",
+    "causal_conv1d_varlen_states": "ops.causal_conv1d",
     "selective_state_update": "ops.mamba",
     "mamba_inner_fn": "ops.mamba",
     # Mamba-2

@@ -41,7 +41,7 @@ from ..runtime.backend import gpu_order, resolve_backend
 from ..runtime.triton_paddle import triton_args
 from ._checks import check_tensor, contiguous, device_of
 from ._pylayer import add, cast_like, check_shape, empty_on, grads_for, mm, needs_grad, run_in_place, zeros32_on
-from .causal_conv1d import conv_launch_bwd, conv_launch_fwd, conv_weight
+from .causal_conv1d import check_state_indices, conv_launch_bwd, conv_launch_fwd, conv_weight
 
 IMPLEMENTED = ("triton", "reference")
 SCAN_IMPLEMENTED = ("cuda", "triton", "reference")
@@ -236,14 +236,21 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
 
 
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
-                           backend: str = "auto"):
+                           state_batch_indices=None, backend: str = "auto"):
     """One decoding step of the scan: state ``[batch, dim, dstate]`` updated in place; x, dt, z
     ``[batch, dim]``; A ``[dim, dstate]``; B, C ``[batch, dstate]`` or ``[batch, groups, dstate]``;
-    D, dt_bias ``[dim]``. Returns out ``[batch, dim]`` in x's dtype."""
+    D, dt_bias ``[dim]``. With ``state_batch_indices`` ``[batch]`` (int32/int64; mamba_ssm's continuous
+    batching) state is a cache ``[slots, dim, dstate]`` and row b updates slot
+    ``state_batch_indices[b]``; a negative index is a padding row (output 0, no slot touched).
+    Returns out ``[batch, dim]`` in x's dtype."""
     check_tensor("state", state)
     if state.ndim != 3:
         raise ValueError(f"state: expected [batch, dim, dstate], got shape {list(state.shape)}")
     batch, dim, dstate = state.shape
+    if state_batch_indices is not None:
+        check_tensor("x", x)
+        batch = x.shape[0] if x.ndim else batch
+        check_state_indices("state_batch_indices", state_batch_indices, batch, state.shape[0])
     for name, t in (("x", x), ("dt", dt), ("z", z)):
         if t is not None or name != "z":
             check_tensor(name, t)
@@ -263,11 +270,17 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     chosen = resolve_backend("selective_state_update", backend, device_of(x), implemented=IMPLEMENTED)
     with paddle.no_grad():
         if chosen == "reference" or x.size == 0:
-            return ref.selective_state_update_ref(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
-        x, dt, A, B, C, D, z, dt_bias = (contiguous(t) for t in (x, dt, A, B, C, D, z, dt_bias))
+            return ref.selective_state_update_ref(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                                                  state_batch_indices)
+        x, dt, A, B, C, D, z, dt_bias, indices = (contiguous(t) for t in (x, dt, A, B, C, D, z, dt_bias,
+                                                                           state_batch_indices))
         out = empty_on(x.shape, x.dtype, x)
-        run_in_place(state, lambda st: state_update_launch(
-            *triton_args(st, x, dt, A, B, C, out, D, z, dt_bias), dt_softplus=dt_softplus))
+
+        def launch(st):
+            *args, indices_arg = triton_args(st, x, dt, A, B, C, out, D, z, dt_bias, indices)
+            state_update_launch(*args, dt_softplus=dt_softplus, state_batch_indices=indices_arg)
+
+        run_in_place(state, launch)
         return out
 
 

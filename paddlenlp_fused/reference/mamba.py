@@ -21,6 +21,7 @@ Autograd goes through the casts, so the references are differentiable in every i
 
 from __future__ import annotations
 
+import numpy as np
 import paddle
 import paddle.nn.functional as F
 
@@ -109,7 +110,8 @@ def _silu_or_identity(x, activation):
 def causal_conv1d_ref(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
                       final_states_out=None, activation=None):
     """Depthwise causal conv (see ``causal_conv1d_fn``): x [b, d, l], weight [d, w], bias [d],
-    seq_idx [b, l] (int), initial_states [b, d, w-1]. Returns out (x's dtype), and with
+    seq_idx [b, l] (int; a negative id is padding: out 0 there), initial_states [b, d, w-1]. Returns out
+    (x's dtype), and with
     ``return_final_states`` also the last w-1 inputs [b, d, w-1] (written into
     ``final_states_out`` when given)."""
     cdt = _compute_dtype(x, weight)
@@ -133,7 +135,10 @@ def causal_conv1d_ref(x, weight, bias=None, seq_idx=None, initial_states=None, r
             same = (padded_idx[:, k:k + seqlen] == seq_idx).astype(cdt)[:, None, :]
             window = window * same
         out = out + window * wf[:, k:k + 1]
-    out = _silu_or_identity(out, activation).astype(x.dtype)
+    out = _silu_or_identity(out, activation)
+    if seq_idx is not None:  # padding positions output 0 (their inputs reach no other id's outputs)
+        out = out * (seq_idx >= 0).astype(cdt)[:, None, :]
+    out = out.astype(x.dtype)
     if not return_final_states:
         return out
     final = padded[:, :, padded.shape[-1] - (width - 1):].astype(x.dtype)
@@ -143,11 +148,43 @@ def causal_conv1d_ref(x, weight, bias=None, seq_idx=None, initial_states=None, r
     return out, final
 
 
-def causal_conv1d_update_ref(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None):
+def _slot_rows(indices):
+    """(slots of the live rows, their rows) of a state-index tensor [b] (negative: a padding row)."""
+    idx = indices.numpy().astype("int64")
+    rows = np.nonzero(idx >= 0)[0]
+    return paddle.to_tensor(idx[rows]), paddle.to_tensor(rows)
+
+
+def _with_slots(states, indices, batch, step):
+    """``step(state [batch, ...])`` on the slots ``states[indices]`` (in place there, padding rows left
+    alone) -> step's output with padding rows zeroed. Gathers and scatters in float32 (exact for every
+    float dtype; Paddle's CPU scatter has no 16-bit kernel)."""
+    slots, rows = _slot_rows(indices)
+    wide = states.astype("float32")
+    view = paddle.zeros([batch] + list(states.shape[1:]), dtype="float32")
+    if rows.shape[0]:
+        view = paddle.scatter(view, rows, paddle.gather(wide, slots))
+    view = view.astype(states.dtype)
+    out = step(view)
+    live = np.zeros([batch] + [1] * (out.ndim - 1), np.float32)
+    live[rows.numpy()] = 1.0
+    if rows.shape[0]:
+        wide = paddle.scatter(wide, slots, paddle.gather(view.astype("float32"), rows))
+        paddle.assign(wide.astype(states.dtype), output=states)
+    return (out.astype("float32") * paddle.to_tensor(live, place=out.place)).astype(out.dtype)
+
+
+def causal_conv1d_update_ref(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
+                             conv_state_indices=None):
     """Decoding step(s) of the causal conv. x [b, d] or [b, d, s] (s new tokens), conv_state
     [b, d, state_len >= w - 1] updated in place: the last state_len inputs, or with
     ``cache_seqlens`` [b] (int) a circular buffer where token i of x goes to position
-    ``(cache_seqlens + i) % state_len``. Returns out shaped like x."""
+    ``(cache_seqlens + i) % state_len``. With ``conv_state_indices`` [b] (int) conv_state is
+    [slots, d, state_len] and row b uses slot ``conv_state_indices[b]``; a negative index is a padding
+    row (output 0, no slot touched). Returns out shaped like x."""
+    if conv_state_indices is not None:
+        return _with_slots(conv_state, conv_state_indices, x.shape[0], lambda state: causal_conv1d_update_ref(
+            x, state, weight, bias, activation, cache_seqlens))
     cdt = _compute_dtype(x, weight)
     squeeze = x.ndim == 2
     x3 = (x[:, :, None] if squeeze else x).astype(cdt)
@@ -178,9 +215,31 @@ def causal_conv1d_update_ref(x, conv_state, weight, bias=None, activation=None, 
     return out[:, :, 0] if squeeze else out
 
 
-def selective_state_update_ref(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+def causal_conv1d_varlen_states_ref(x, cu_seqlens, state_len: int):
+    """The last ``state_len`` inputs of each sequence of a packed batch: x [total_tokens, dim],
+    cu_seqlens [batch + 1] (int, sorted, from 0) -> states [batch, dim, state_len] in x's dtype, zeros
+    before a sequence's first token."""
+    bounds = cu_seqlens.numpy().astype("int64")
+    states = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        first = max(int(start), int(end) - state_len)
+        take = x[first:int(end)].T if end > first else paddle.zeros([x.shape[1], 0], dtype=x.dtype)
+        pad = paddle.zeros([x.shape[1], state_len - take.shape[1]], dtype=x.dtype)
+        states.append(paddle.concat([pad, take], axis=1))
+    if not states:
+        return paddle.zeros([0, x.shape[1], state_len], dtype=x.dtype)
+    return paddle.stack(states)
+
+
+def selective_state_update_ref(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                               state_batch_indices=None):
     """One decoding step of the scan: state [b, d, n] updated in place; x, dt, z [b, d]; A [d, n];
-    B, C [b, n] or [b, g, n]; D, dt_bias [d]. Returns out [b, d] in x's dtype."""
+    B, C [b, n] or [b, g, n]; D, dt_bias [d]. With ``state_batch_indices`` [b] (int) state is
+    [slots, d, n] and row b uses slot ``state_batch_indices[b]``; a negative index is a padding row
+    (output 0, no slot touched). Returns out [b, d] in x's dtype."""
+    if state_batch_indices is not None:
+        return _with_slots(state, state_batch_indices, x.shape[0], lambda view: selective_state_update_ref(
+            view, x, dt, A, B, C, D, z, dt_bias, dt_softplus))
     cdt = _compute_dtype(x, state, A)
     dim = x.shape[1]
     dtf = dt.astype(cdt)

@@ -4,12 +4,14 @@ Shapes (``b`` batch, ``d`` dim, ``l`` seqlen, ``w`` width, any width >= 1):
     x, out, dout, dx     [b, d, l]   any strides (channel-first ``l`` contiguous, or channel-last
                                      ``d`` contiguous: the tile shape follows the contiguous axis)
     weight               [d, w];  bias [d]
-    seq_idx              [b, l] int32/int64: positions with different ids never mix (packed batches)
+    seq_idx              [b, l] int32/int64: positions with different ids never mix (packed batches);
+                         a negative id is padding: its output is 0 and it passes no gradient
     initial_states       [b, d, w-1]: the inputs at positions -(w-1) .. -1 (zeros by default); they
                          continue the sequence of position 0
 
     out[b, d, t] = act(bias[d] + sum_k weight[d, k] * x[b, d, t - (w-1) + k]),  act = identity or silu,
-    where x at a position of another sequence (``seq_idx``) counts as 0.
+    where x at a position of another sequence (``seq_idx``) counts as 0, and out is 0 where seq_idx < 0
+    (causal-conv1d's padding rule).
 
 Memory-bound: both passes hold runs of CHUNK consecutive positions in a thread (16 bytes of a
 channel-first row: vector loads and stores), so the shifted inputs a position needs are that
@@ -17,7 +19,7 @@ thread's registers plus the tail of the chunk before it, loaded again (an L1/L2 
 reads x from DRAM once and writes out; the backward reads x and dout once, computes each
 pre-activation and its silu' once, writes dx (and the initial states' gradient) and accumulates
 dweight/dbias in registers over the program's tile, then adds them with one fp32 atomic per program,
-dim and tap.
+dim and tap (``deterministic``: per-program partial sums in a workspace, then a fixed-order sum).
 
 Decoding (``causal_conv1d_update``): x [b, d] or [b, d, s] new tokens; conv_state [b, d, state_len >=
 w-1] holds the last inputs and is updated in place, either shifted (the last state_len inputs) or,
@@ -126,8 +128,8 @@ def _conv_grads(x_cols, init_cols, sid_row, do_cols, pos, mask_d, seqlen, s_x_l,
             pre = _preact(xs, sids, taps, bias, WIDTH - 1 + s, HAS_SEQ_IDX, WIDTH)
             sig = _sigmoid(pre)
             dpre = dpre * sig * (1.0 + pre * (1.0 - sig))
-        if HAS_SEQ_IDX:
-            dpre = tl.where(sids[WIDTH - 1 + s] == sids[WIDTH - 1], dpre, 0.0)
+        if HAS_SEQ_IDX:  # padding outputs (id < 0) are constant 0
+            dpre = tl.where((sids[WIDTH - 1 + s] == sids[WIDTH - 1]) & (sids[WIDTH - 1 + s] >= 0), dpre, 0.0)
         dx += taps[WIDTH - 1 - s] * dpre
     return dx
 
@@ -225,6 +227,8 @@ def _causal_conv1d_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_idx_ptr, init_ptr, out
         pre = _preact(xs, sids, taps3, bias3, HALO * CHUNK + j, HAS_SEQ_IDX, WIDTH)
         if SILU:
             pre = pre * _sigmoid(pre)
+        if HAS_SEQ_IDX:  # padding positions (id < 0) output 0
+            pre = tl.where(sids[HALO * CHUNK + j] >= 0, pre, 0.0)
         outs = outs + (pre,)
     tl.store(out_ptr + b64 * s_o_b + d3 * s_o_d + pos.to(tl.int64) * s_o_l,
              _pack(outs, LOG2_CHUNK).to(out_ptr.dtype.element_ty), mask=mask_d3 & (pos < seqlen))
@@ -237,7 +241,8 @@ def _causal_conv1d_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_idx_ptr, init_ptr, dou
                               s_di_b, s_di_d, s_di_k,
                               WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
                               HAS_INIT: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr,
-                              BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr, LOG2_CHUNK: tl.constexpr):
+                              BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr, LOG2_CHUNK: tl.constexpr,
+                              DETERMINISTIC: tl.constexpr = False):
     # A program owns BLOCK_L positions as BLOCK_L / CHUNK chunks of CHUNK consecutive positions, each
     # chunk in one thread: the shifted inputs a position needs are that thread's registers (the chunks
     # before/after supply the w-1 halo: two extra loads that hit L1), so each pre-activation and its
@@ -294,6 +299,8 @@ def _causal_conv1d_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_idx_ptr, init_ptr, dou
             pre = _preact(xs, sids, taps3, bias3, CHUNK + j, HAS_SEQ_IDX, WIDTH)
             sig = _sigmoid(pre)
             g = g * sig * (1.0 + pre * (1.0 - sig))
+        if HAS_SEQ_IDX:  # padding outputs (id < 0) are constant 0
+            g = tl.where(sids[CHUNK + j] >= 0, g, 0.0)
         dpres = dpres + (g,)
 
     # dx[t] = sum_s w[w-1-s] dpre[t+s];  dweight[k] += dpre[t] x[t-(w-1)+k];  dbias += dpre[t] (same sequence)
@@ -321,10 +328,40 @@ def _causal_conv1d_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_idx_ptr, init_ptr, dou
     dx_cols = dx_ptr + b64 * s_dx_b + d3 * s_dx_d
     tl.store(dx_cols + pos.to(tl.int64) * s_dx_l, _pack(dxs, LOG2_CHUNK).to(dx_ptr.dtype.element_ty),
              mask=mask_d3 & (pos < seqlen))
-    for k in tl.static_range(WIDTH):
-        tl.atomic_add(dw_ptr + d64 * WIDTH + k, tl.sum(tl.sum(dws[k], axis=2), axis=1), mask=mask_d, sem="relaxed")
+    if DETERMINISTIC:  # dw_ptr is the workspace [parts, dim, w + 1]: this program's sums go to its own
+        # part (column w: dbias), summed in part order by _sum_partials_kernel
+        part_row = dw_ptr + ((b64 * tl.num_programs(0) + pid_s) * dim + d64) * (WIDTH + 1)
+        for k in tl.static_range(WIDTH):
+            tl.store(part_row + k, tl.sum(tl.sum(dws[k], axis=2), axis=1), mask=mask_d)
+        if HAS_BIAS:
+            tl.store(part_row + WIDTH, tl.sum(tl.sum(dbias, axis=2), axis=1), mask=mask_d)
+    else:
+        for k in tl.static_range(WIDTH):
+            tl.atomic_add(dw_ptr + d64 * WIDTH + k, tl.sum(tl.sum(dws[k], axis=2), axis=1), mask=mask_d,
+                          sem="relaxed")
+        if HAS_BIAS:
+            tl.atomic_add(dbias_ptr + d, tl.sum(tl.sum(dbias, axis=2), axis=1), mask=mask_d, sem="relaxed")
+
+
+@triton.jit
+def _sum_partials_kernel(part_ptr, dw_ptr, dbias_ptr, parts, dim, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    # dweight [d, w] (and dbias [d]) += the sum over parts of the workspace [parts, d, w + 1], always in
+    # part order, so the result does not depend on which program finished first
+    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # element (d, k) of [dim, w + 1]
+    live = e < dim * (WIDTH + 1)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    part = part_ptr + e  # pointers advance in 64 bits: parts * dim * (w + 1) may pass 2^31
+    for _ in range(parts):
+        acc += tl.load(part, mask=live, other=0.0)
+        part += dim * (WIDTH + 1)
+    d = e // (WIDTH + 1)
+    k = e % (WIDTH + 1)
+    w_at = dw_ptr + d * WIDTH + k
+    tl.store(w_at, tl.load(w_at, mask=live & (k < WIDTH), other=0.0) + acc, mask=live & (k < WIDTH))
     if HAS_BIAS:
-        tl.atomic_add(dbias_ptr + d, tl.sum(tl.sum(dbias, axis=2), axis=1), mask=mask_d, sem="relaxed")
+        b_at = dbias_ptr + d
+        tl.store(b_at, tl.load(b_at, mask=live & (k == WIDTH), other=0.0) + acc, mask=live & (k == WIDTH))
 
 
 @triton.jit
@@ -333,7 +370,8 @@ def _causal_conv1d_update_kernel(x_ptr, state_ptr, w_ptr, bias_ptr, cache_seqlen
                                  s_w_d, s_w_k, s_o_b, s_o_d, s_o_l,
                                  WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                                  CIRCULAR: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                                 BLOCK_STATE: tl.constexpr):
+                                 BLOCK_STATE: tl.constexpr, state_indices_ptr=None,
+                                 HAS_STATE_INDICES: tl.constexpr = False):
     b = tl.program_id(1)
     b64 = b.to(tl.int64)
     d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -341,7 +379,14 @@ def _causal_conv1d_update_kernel(x_ptr, state_ptr, w_ptr, bias_ptr, cache_seqlen
     mask_d = d < dim
     i = tl.arange(0, BLOCK_S)  # new tokens
     x_rows = x_ptr + b64 * s_x_b + d64[:, None] * s_x_d
-    st_rows = state_ptr + b64 * s_st_b + d64[:, None] * s_st_d
+    if HAS_STATE_INDICES:  # row b's state is conv_state[conv_state_indices[b]]; a negative index is a
+        # padding slot: its state is neither read nor written and its output is 0 (causal-conv1d's rule)
+        slot_b = tl.load(state_indices_ptr + b).to(tl.int64)
+        st_rows = state_ptr + tl.maximum(slot_b, 0) * s_st_b + d64[:, None] * s_st_d
+        mask_st = mask_d & (slot_b >= 0)
+    else:
+        st_rows = state_ptr + b64 * s_st_b + d64[:, None] * s_st_d
+        mask_st = mask_d
     if CIRCULAR:
         start = tl.load(cache_seqlens_ptr + b).to(tl.int32)  # where token 0 goes in the ring
 
@@ -358,11 +403,14 @@ def _causal_conv1d_update_kernel(x_ptr, state_ptr, w_ptr, bias_ptr, cache_seqlen
             slot = tl.where(slot < 0, slot + state_len, slot)
         else:
             slot = state_len + q
-        v2 = tl.load(st_rows + slot.to(tl.int64)[None, :] * s_st_l, mask=live & (q < 0)[None, :], other=0.0)
+        v2 = tl.load(st_rows + slot.to(tl.int64)[None, :] * s_st_l, mask=live & mask_st[:, None] & (q < 0)[None, :],
+                     other=0.0)
         w_k = tl.load(w_ptr + d64 * s_w_d + k * s_w_k, mask=mask_d, other=0.0).to(tl.float32)
         acc += w_k[:, None] * (v.to(tl.float32) + v2.to(tl.float32))
     if SILU:
         acc = acc * tl.sigmoid(acc)
+    if HAS_STATE_INDICES:
+        acc = tl.where(mask_st[:, None], acc, 0.0)
     tl.store(out_ptr + b64 * s_o_b + d64[:, None] * s_o_d + i.to(tl.int64)[None, :] * s_o_l,
              acc.to(out_ptr.dtype.element_ty), mask=mask_d[:, None] & (i < steps)[None, :])
 
@@ -374,18 +422,18 @@ def _causal_conv1d_update_kernel(x_ptr, state_ptr, w_ptr, bias_ptr, cache_seqlen
         tl.debug_barrier()
         slot = (start + i) % state_len
         tl.store(st_rows + slot.to(tl.int64)[None, :] * s_st_l, xv.to(state_ptr.dtype.element_ty),
-                 mask=mask_d[:, None] & kept[None, :])
+                 mask=mask_st[:, None] & kept[None, :])
     else:  # new_state[j] = concat(state, x)[j + steps]
         src = j + steps
         from_state = src < state_len
         keep = tl.load(st_rows + tl.minimum(src, state_len - 1).to(tl.int64)[None, :] * s_st_l,
-                       mask=mask_d[:, None] & (from_state & (j < state_len))[None, :], other=0.0)
+                       mask=mask_st[:, None] & (from_state & (j < state_len))[None, :], other=0.0)
         new = tl.load(x_rows + tl.maximum(src - state_len, 0).to(tl.int64)[None, :] * s_x_l,
                       mask=mask_d[:, None] & (~from_state & (j < state_len))[None, :], other=0.0)
         tl.debug_barrier()
         tl.store(st_rows + j.to(tl.int64)[None, :] * s_st_l,
                  tl.where(from_state[None, :], keep.to(state_ptr.dtype.element_ty), new.to(state_ptr.dtype.element_ty)),
-                 mask=mask_d[:, None] & (j < state_len)[None, :])
+                 mask=mask_st[:, None] & (j < state_len)[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -499,16 +547,33 @@ def check_grad_buffers(dout, dx, dweight, bias, dbias, batch, dim, seqlen, width
         raise ValueError("dbias: expected exactly when bias is given")
 
 
+def bwd_workspace_shape(x, weight, block_d=None, block_l=None, segment=None, num_warps=None, chunk=None):
+    """The float32 workspace ``causal_conv1d_bwd(..., workspace=)`` takes for a deterministic
+    backward: one [dim, width + 1] row of partial sums per program along (batch, seqlen)."""
+    batch, dim, seqlen = T.shape(x)
+    width = T.shape(weight)[1]
+    block_l = tiles(x, dim, seqlen, width, True, block_d, block_l, segment, num_warps, chunk)[1]
+    return (batch * triton.cdiv(seqlen, block_l), dim, width + 1)
+
+
 def causal_conv1d_bwd(x, weight, dout, dx, dweight, bias=None, dbias=None, seq_idx=None, initial_states=None,
                       dinitial_states=None, activation=None, block_d=None, block_l=None, segment=None,
-                      num_warps=None, chunk=None) -> None:
+                      num_warps=None, chunk=None, workspace=None) -> None:
     """Gradients of the conv. Written in place: dx [b, d, l] and dinitial_states [b, d, w-1] (when
     initial_states is given). Accumulated (+=, float32 contiguous, the caller zeroes them):
     dweight [d, w] and dbias [d] (when bias is given). ``block_d``/``block_l``/``num_warps``/``chunk``
-    override the tile (``segment``: at most that many positions a program)."""
+    override the tile (``segment``: at most that many positions a program). ``workspace`` (float32
+    contiguous, ``bwd_workspace_shape``; contents ignored) makes the weight reductions deterministic:
+    per-program partial sums there, then summed in a fixed order, instead of fp32 atomics."""
     silu = check_activation(activation)
     batch, dim, seqlen, width, si_st, init_st = conv_args(x, weight, bias, seq_idx, initial_states)
     check_grad_buffers(dout, dx, dweight, bias, dbias, batch, dim, seqlen, width)
+    if workspace is not None:
+        T.check_same_shape("workspace", workspace, bwd_workspace_shape(x, weight, block_d, block_l, segment,
+                                                                       num_warps, chunk))
+        T.check_contiguous("workspace", workspace)
+        if T.dtype_name(workspace) != "float32":
+            raise TypeError(f"workspace: expected float32, got {T.dtype_name(workspace)}")
     if (initial_states is None) != (dinitial_states is None):
         raise ValueError("dinitial_states: expected exactly when initial_states is given")
     di_st = (0, 0, 0)
@@ -520,18 +585,25 @@ def causal_conv1d_bwd(x, weight, dout, dx, dweight, bias=None, dbias=None, seq_i
     block_d, block_l, block_w, chunk, warps = tiles(x, dim, seqlen, width, True, block_d, block_l, segment,
                                                     num_warps, chunk)
     grid = (triton.cdiv(seqlen, block_l), triton.cdiv(dim, block_d), batch)
+    flags = {} if workspace is None else {"DETERMINISTIC": True}  # the default build stays as it was
     _causal_conv1d_bwd_kernel[grid](x, weight, _or(bias, x), _or(seq_idx, x), _or(initial_states, x), dout, dx,
-                                    dweight, _or(dbias, x), _or(dinitial_states, x), dim, seqlen,
+                                    _or(workspace, dweight), _or(dbias, x), _or(dinitial_states, x), dim, seqlen,
                                     *T.strides(x), *T.strides(weight), *si_st, *init_st, *T.strides(dout),
                                     *T.strides(dx), *di_st,
                                     WIDTH=width, HAS_BIAS=bias is not None, HAS_SEQ_IDX=seq_idx is not None,
                                     HAS_INIT=initial_states is not None, SILU=silu, BLOCK_D=block_d, BLOCK_L=block_l,
-                                    BLOCK_W=block_w, LOG2_CHUNK=chunk.bit_length() - 1, num_warps=warps)
+                                    BLOCK_W=block_w, LOG2_CHUNK=chunk.bit_length() - 1, num_warps=warps, **flags)
+    if workspace is not None:
+        block = min(1024, triton.next_power_of_2(dim * (width + 1)))
+        _sum_partials_kernel[(triton.cdiv(dim * (width + 1), block),)](
+            workspace, dweight, _or(dbias, dweight), T.shape(workspace)[0], dim, WIDTH=width,
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
 
 
-def update_args(x, conv_state, weight, out, bias, cache_seqlens):
+def update_args(x, conv_state, weight, out, bias, cache_seqlens, conv_state_indices=None):
     """Shapes checked; (batch, dim, steps, width, state_len, x strides, out strides), the strides of a
-    2-D x / out padded with a 0 for the steps axis."""
+    2-D x / out padded with a 0 for the steps axis. With ``conv_state_indices`` [batch] (int32/int64)
+    conv_state may hold any number of slots."""
     x_dims = T.shape(x)
     if len(x_dims) not in (2, 3):
         raise ValueError(f"x: expected [batch, dim] or [batch, dim, seqlen], got shape {x_dims}")
@@ -544,7 +616,8 @@ def update_args(x, conv_state, weight, out, bias, cache_seqlens):
         raise ValueError(f"weight: expected [dim={dim}, width], got shape {T.shape(weight)}")
     width = T.shape(weight)[1]
     st_dims = T.shape(conv_state)
-    if len(st_dims) != 3 or st_dims[:2] != (batch, dim) or st_dims[2] < width - 1:
+    slots = batch if conv_state_indices is None else st_dims[0] if st_dims else None
+    if len(st_dims) != 3 or st_dims[:2] != (slots, dim) or st_dims[2] < width - 1:
         raise ValueError(f"conv_state: expected [batch={batch}, dim={dim}, state_len >= width - 1 = {width - 1}], "
                          f"got shape {st_dims}")
     if bias is not None:
@@ -553,15 +626,23 @@ def update_args(x, conv_state, weight, out, bias, cache_seqlens):
         T.check_same_shape("cache_seqlens", cache_seqlens, (batch,))
         if T.dtype_name(cache_seqlens) not in ("int32", "int64"):
             raise TypeError(f"cache_seqlens: expected int32 or int64, got {T.dtype_name(cache_seqlens)}")
+    if conv_state_indices is not None:
+        T.check_same_shape("conv_state_indices", conv_state_indices, (batch,))
+        if T.dtype_name(conv_state_indices) not in ("int32", "int64"):
+            raise TypeError(f"conv_state_indices: expected int32 or int64, got {T.dtype_name(conv_state_indices)}")
     return batch, dim, steps, width, st_dims[2], x_st, o_st
 
 
-def causal_conv1d_update(x, conv_state, weight, out, bias=None, activation=None, cache_seqlens=None) -> None:
+def causal_conv1d_update(x, conv_state, weight, out, bias=None, activation=None, cache_seqlens=None,
+                         conv_state_indices=None) -> None:
     """Decoding: out (x's shape, [b, d] or [b, d, s]) from the new tokens x and conv_state
     [b, d, state_len >= w - 1], which is updated in place (shifted, or a ring buffer indexed by
-    ``cache_seqlens`` [b])."""
+    ``cache_seqlens`` [b]). With ``conv_state_indices`` [b], conv_state is [slots, d, state_len] and row
+    b uses slot ``conv_state_indices[b]`` (indices < slots, the caller's check); a negative index is a
+    padding row: output 0, no state touched."""
     silu = check_activation(activation)
-    batch, dim, steps, width, state_len, x_st, o_st = update_args(x, conv_state, weight, out, bias, cache_seqlens)
+    batch, dim, steps, width, state_len, x_st, o_st = update_args(x, conv_state, weight, out, bias, cache_seqlens,
+                                                                  conv_state_indices)
     if batch * dim == 0 or steps == 0:
         return
     block_s, block_state = triton.next_power_of_2(steps), triton.next_power_of_2(max(state_len, 1))
@@ -570,6 +651,52 @@ def causal_conv1d_update(x, conv_state, weight, out, bias=None, activation=None,
         x, conv_state, weight, bias, cache_seqlens, out, dim, steps, state_len, *x_st, *T.strides(conv_state),
         *T.strides(weight), *o_st, WIDTH=width, HAS_BIAS=bias is not None, SILU=silu,
         CIRCULAR=cache_seqlens is not None, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_STATE=block_state,
+        num_warps=4, **({} if conv_state_indices is None else
+                        {"state_indices_ptr": conv_state_indices, "HAS_STATE_INDICES": True}))
+
+
+@triton.jit
+def _varlen_states_kernel(x_ptr, cu_ptr, states_ptr, dim, state_len, s_x_t, s_x_d, s_s_b, s_s_d, s_s_k,
+                          BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+    # states[b, :, k] = x[end_b - state_len + k] for the tokens of sequence b, 0 before its start
+    b = tl.program_id(1)
+    start = tl.load(cu_ptr + b).to(tl.int64)
+    end = tl.load(cu_ptr + b + 1).to(tl.int64)
+    d = (tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
+    k = tl.arange(0, BLOCK_K).to(tl.int64)
+    for k0 in range(0, state_len, BLOCK_K):
+        kk = k0 + k
+        t = end - state_len + kk
+        mask = (d < dim)[:, None] & (kk < state_len)[None, :]
+        v = tl.load(x_ptr + t[None, :] * s_x_t + d[:, None] * s_x_d, mask=mask & (t >= start)[None, :], other=0.0)
+        tl.store(states_ptr + b.to(tl.int64) * s_s_b + d[:, None] * s_s_d + kk[None, :] * s_s_k, v, mask=mask)
+
+
+def causal_conv1d_varlen_states(x, cu_seqlens, states) -> None:
+    """The last ``state_len`` inputs of each sequence of a packed batch: x [total_tokens, dim],
+    cu_seqlens [batch + 1] (int32/int64, sorted, from 0, last <= total_tokens: the caller's check),
+    states [batch, dim, state_len] written in x's dtype, zeros before a sequence's first token."""
+    if len(T.shape(x)) != 2:
+        raise ValueError(f"x: expected [total_tokens, dim], got shape {T.shape(x)}")
+    dim = T.shape(x)[1]
+    if len(T.shape(cu_seqlens)) != 1 or T.shape(cu_seqlens)[0] < 1:
+        raise ValueError(f"cu_seqlens: expected [batch + 1], got shape {T.shape(cu_seqlens)}")
+    if T.dtype_name(cu_seqlens) not in ("int32", "int64"):
+        raise TypeError(f"cu_seqlens: expected int32 or int64, got {T.dtype_name(cu_seqlens)}")
+    T.check_contiguous("cu_seqlens", cu_seqlens)
+    batch = T.shape(cu_seqlens)[0] - 1
+    st_dims = T.shape(states)
+    if len(st_dims) != 3 or st_dims[:2] != (batch, dim):
+        raise ValueError(f"states: expected [batch={batch}, dim={dim}, state_len], got shape {st_dims}")
+    if T.dtype_name(states) != T.dtype_name(x):
+        raise TypeError(f"states: expected x's dtype {T.dtype_name(x)}, got {T.dtype_name(states)}")
+    state_len = st_dims[2]
+    if batch * dim * state_len == 0:
+        return
+    block_k = min(16, triton.next_power_of_2(state_len))
+    block_d = min(256, triton.next_power_of_2(dim))
+    _varlen_states_kernel[(triton.cdiv(dim, block_d), batch)](
+        x, cu_seqlens, states, dim, state_len, *T.strides(x), *T.strides(states), BLOCK_D=block_d, BLOCK_K=block_k,
         num_warps=4)
 
 
@@ -599,3 +726,14 @@ def compile_cases():
     yield "causal_conv1d_update[bfloat16]", lambda: causal_conv1d_update(x1, state, w, x1, bias, activation="silu")
     yield "causal_conv1d_update[bfloat16,circular]", \
         lambda: causal_conv1d_update(x1, state, w, x1, bias, activation="silu", cache_seqlens=seqlens)
+    slots = S((3 * batch, dim, 4), "bfloat16")
+    yield "causal_conv1d_update[bfloat16,conv_state_indices]", \
+        lambda: causal_conv1d_update(x1, slots, w, x1, bias, activation="silu", conv_state_indices=seqlens)
+    xb, wb, db = S((batch, dim, seqlen), "bfloat16"), S((dim, 4), "bfloat16"), S((dim,), "bfloat16")
+    dwb, dbb = S((dim, 4), "float32"), S((dim,), "float32")
+    work = S(bwd_workspace_shape(xb, wb), "float32")
+    yield "causal_conv1d_bwd[bfloat16,first,deterministic]", \
+        lambda: causal_conv1d_bwd(xb, wb, xb, xb, dwb, db, dbb, activation="silu", workspace=work)
+    packed, cu = S((batch * seqlen, dim), "bfloat16"), S((batch + 1,), "int32")
+    yield "causal_conv1d_varlen_states[bfloat16]", \
+        lambda: causal_conv1d_varlen_states(packed, cu, S((batch, dim, 3), "bfloat16"))

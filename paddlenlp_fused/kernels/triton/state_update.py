@@ -50,7 +50,8 @@ def _state_update_kernel(
         s_A_h, s_A_p, s_A_n, s_B_b, s_B_g, s_B_n, s_C_b, s_C_g, s_C_n, s_D_h, s_D_p,
         s_z_b, s_z_h, s_z_p, s_db_h, s_db_p, s_o_b, s_o_h, s_o_p,
         TIE_HDIM: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-        DT_SOFTPLUS: tl.constexpr, DT_CLIP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+        DT_SOFTPLUS: tl.constexpr, DT_CLIP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+        state_indices_ptr=None, HAS_STATE_INDICES: tl.constexpr = False):
     head = tl.program_id(1)
     b64 = tl.program_id(2).to(tl.int64)
     h64 = head.to(tl.int64)
@@ -61,8 +62,16 @@ def _state_update_kernel(
     mask_n = n < dstate
     mask = mask_p[:, None] & mask_n[None, :]
 
-    st_ptrs = state_ptr + b64 * s_st_b + h64 * s_st_h + p64[:, None] * s_st_p + n[None, :] * s_st_n
-    state = tl.load(st_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_STATE_INDICES:  # row b's state is state[state_batch_indices[b]]; a negative index is a padding
+        # row: its state is neither read nor written and its output is 0
+        slot = tl.load(state_indices_ptr + b64).to(tl.int64)
+        st_ptrs = state_ptr + tl.maximum(slot, 0) * s_st_b + h64 * s_st_h + p64[:, None] * s_st_p + n[None, :] * s_st_n
+        live = slot >= 0
+        mask_st = mask & live
+    else:
+        st_ptrs = state_ptr + b64 * s_st_b + h64 * s_st_h + p64[:, None] * s_st_p + n[None, :] * s_st_n
+        mask_st = mask
+    state = tl.load(st_ptrs, mask=mask_st, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + b64 * s_x_b + h64 * s_x_h + p64 * s_x_p, mask=mask_p, other=0.0).to(tl.float32)
     if TIE_HDIM:  # Mamba-2: one dt and one A per head, the whole head in one group
         dt = tl.load(dt_ptr + b64 * s_dt_b + h64 * s_dt_h).to(tl.float32)
@@ -87,12 +96,14 @@ def _state_update_kernel(
         Cv = tl.load(C_ptr + b64 * s_C_b + group * s_C_g + n[None, :] * s_C_n, mask=mask, other=0.0).to(tl.float32)
         state = state * tl.exp2(dt[:, None] * A * _LOG2E) + (dt * x)[:, None] * Bv
         y = tl.sum(state * Cv, axis=1)
-    tl.store(st_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask)
+    tl.store(st_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask_st)
     if HAS_D:
         y += tl.load(D_ptr + h64 * s_D_h + p64 * s_D_p, mask=mask_p, other=0.0).to(tl.float32) * x
     if HAS_Z:
         zv = tl.load(z_ptr + b64 * s_z_b + h64 * s_z_h + p64 * s_z_p, mask=mask_p, other=0.0).to(tl.float32)
         y = y * zv * tl.sigmoid(zv)
+    if HAS_STATE_INDICES:
+        y = tl.where(live, y, 0.0)
     tl.store(out_ptr + b64 * s_o_b + h64 * s_o_h + p64 * s_o_p, y.to(out_ptr.dtype.element_ty), mask=mask_p)
 
 
@@ -151,10 +162,21 @@ def _default_blocks(headdim, dstate):
 
 
 def selective_state_update(state, x, dt, A, B, C, out, D=None, z=None, dt_bias=None, dt_softplus: bool = False,
-                           dt_limit=(0.0, math.inf), block_p=None, num_warps=None) -> None:
+                           dt_limit=(0.0, math.inf), block_p=None, num_warps=None, state_batch_indices=None) -> None:
     """One decoding step; ``state`` is updated in place (any float dtype; fp32 math) and ``out``
-    written. Mamba-1 when state is [b, d, n], multi-head when [b, h, p, n] (module docstring)."""
+    written. Mamba-1 when state is [b, d, n], multi-head when [b, h, p, n] (module docstring). With
+    ``state_batch_indices`` [b] (int32/int64) state holds any number of slots and row b uses slot
+    ``state_batch_indices[b]`` (indices < slots: the caller's check); a negative index is a padding row
+    (output 0, no state touched)."""
     dims = T.shape(state)
+    if state_batch_indices is not None:
+        if len(T.shape(state_batch_indices)) != 1:
+            raise ValueError(f"state_batch_indices: expected [batch], got shape {T.shape(state_batch_indices)}")
+        if T.dtype_name(state_batch_indices) not in ("int32", "int64"):
+            raise TypeError(f"state_batch_indices: expected int32 or int64, got {T.dtype_name(state_batch_indices)}")
+        T.check_contiguous("state_batch_indices", state_batch_indices)
+        if dims:  # the rows are x's; the state's leading axis holds the slots
+            dims = (T.shape(state_batch_indices)[0],) + tuple(dims[1:])
     if len(dims) == 3:  # Mamba-1: one head of `dim` channels
         batch, headdim, dstate = dims
         nheads, heads_arg = 1, None
@@ -199,7 +221,9 @@ def selective_state_update(state, x, dt, A, B, C, out, D=None, z=None, dt_bias=N
         *st_state, *sx, *sdt, *sA, *sB, *sC, *sD, *sz, *sdb, *so,
         TIE_HDIM=tie, HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None,
         DT_SOFTPLUS=bool(dt_softplus), DT_CLIP=lo > 0.0 or math.isfinite(hi),
-        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(dstate), num_warps=num_warps or default_warps)
+        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(dstate), num_warps=num_warps or default_warps,
+        **({} if state_batch_indices is None else
+           {"state_indices_ptr": state_batch_indices, "HAS_STATE_INDICES": True}))
 
 
 def compile_cases():
@@ -221,3 +245,9 @@ def compile_cases():
         S((batch, 1, dstate2), "bfloat16")
     yield "selective_state_update[mamba2-untied,bfloat16]", \
         lambda a=(state, xh, xh, A3, Bh, Bh, xh, hp, None, hp): selective_state_update(*a, dt_softplus=True)
+    slots, x1, B1 = S((3 * batch, dim, dstate1), "bfloat16"), S((batch, dim), "bfloat16"), \
+        S((batch, 4, dstate1), "bfloat16")
+    vec, A, idx = S((dim,), "float32"), S((dim, dstate1), "float32"), S((batch,), "int32")
+    yield "selective_state_update[mamba1,bfloat16,state_batch_indices]", \
+        lambda a=(slots, x1, x1, A, B1, B1, x1, vec, x1, vec): selective_state_update(
+            *a, dt_softplus=True, state_batch_indices=idx)
