@@ -500,6 +500,55 @@ def test_selective_state_update_matches_recurrence(backend):
     assert_close("out", out.numpy(), y, "float32")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_selective_state_update_state_batch_indices(backend, dtype):
+    """state_batch_indices (mamba_ssm's continuous batching): row b updates slot idx[b] of a larger
+    cache, in any order; -1 rows (padding) output 0 and touch no slot; other slots bit-unchanged;
+    odd dim and dstate; against float64 (16-bit: 2x the bound of one rounding, as the step rounds
+    state and out once)."""
+    batch, dim, dstate, slots = 4, 5, 3, 6
+    idx = np.array([4, -1, 0, 2])
+    cache = randn((slots, dim, dstate), dtype)
+    before = to64(cache)
+    x, dt, z = randn((batch, dim), dtype), randn((batch, dim), dtype, 0.5), randn((batch, dim), dtype)
+    A = paddle.to_tensor(-np.exp(np.random.randn(dim, dstate)).astype(np.float32))
+    B, C = randn((batch, dstate), dtype), randn((batch, dstate), dtype)
+    D, dt_bias = randn((dim,)), randn((dim,))
+    out = selective_state_update(cache, x, dt, A, B, C, D, z, dt_bias, dt_softplus=True,
+                                 state_batch_indices=paddle.to_tensor(idx.astype(np.int32)), backend=backend)
+    live = idx >= 0
+    dt64 = np.log1p(np.exp(to64(dt) + to64(dt_bias)))[live]
+    new = before[idx[live]] * np.exp(dt64[..., None] * to64(A)) + (dt64 * to64(x)[live])[..., None] * \
+        to64(B)[live][:, None, :]
+    y = (new * to64(C)[live][:, None, :]).sum(-1) + to64(D) * to64(x)[live]
+    y = y * to64(z)[live] / (1 + np.exp(-to64(z)[live]))
+    got, after = to64(out), to64(cache)
+    assert (got[~live] == 0).all()
+    untouched = [s for s in range(slots) if s not in idx]
+    np.testing.assert_array_equal(after[untouched], before[untouched])
+    baseline = None if dtype == "float32" else 2 * {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}[dtype]
+    assert_close("state", after[idx[live]], new, dtype, baseline)
+    assert_close("out", got[live], y, dtype, baseline)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_selective_state_update_state_batch_indices_bad_input(backend):
+    cache, x, A = randn((3, 4, 2)), randn((2, 4)), randn((4, 2))
+    B = randn((2, 2))
+    with pytest.raises(ValueError, match="state_batch_indices: expected entries < 3"):
+        selective_state_update(cache, x, x, A, B, B, state_batch_indices=paddle.to_tensor([0, 3]), backend=backend)
+    with pytest.raises(TypeError, match="state_batch_indices: expected dtype"):
+        selective_state_update(cache, x, x, A, B, B, state_batch_indices=paddle.to_tensor([0.0, 1.0]),
+                               backend=backend)
+    with pytest.raises(ValueError, match="state_batch_indices: expected shape"):
+        selective_state_update(cache, x, x, A, B, B, state_batch_indices=paddle.to_tensor([0, 1, 2]),
+                               backend=backend)
+    with pytest.raises(ValueError, match="x: expected shape"):
+        selective_state_update(cache, randn((2, 5)), x, A, B, B, state_batch_indices=paddle.to_tensor([0, 1]),
+                               backend=backend)
+
+
 # ----------------------------------------------------------------------------------------------
 # mamba_inner_fn and the layer
 
