@@ -291,7 +291,7 @@ def test_triton_varlen_states_equal_per_sequence_loop():
     y, final, varlen = mamba_chunk_scan_combined(**a, chunk_size=4, cu_seqlens=cu, dt_softplus=True,
                                                  return_final_states=True, return_varlen_states=True,
                                                  backend="triton")
-    assert varlen.stop_gradient  # not differentiable on this backend (documented)
+    assert not varlen.stop_gradient
     a64 = _as64(a)
     pieces, finals = [], []
     for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):  # each sequence alone; only the first continues
@@ -304,7 +304,13 @@ def test_triton_varlen_states_equal_per_sequence_loop():
     assert_close("y", y.numpy(), y64.numpy(), "float32")
     assert_close("varlen_states", varlen.numpy(), paddle.stack(finals).numpy(), "float32")
     assert_close("final_states", final.numpy(), finals[-1].numpy()[None], "float32")
-    _check_grads([y, final], a, [y64, finals[-1][None]], a64, GRAD_NAMES)
+    # y, the last final state and every varlen state at once (the kernels' and the composition's gradients add)
+    _check_grads([y, final, varlen], a, [y64, finals[-1][None], paddle.stack(finals)], a64, GRAD_NAMES)
+    with paddle.no_grad():  # no gradient can reach them: the forward kernels' states, the same values
+        _, kernel_varlen = mamba_chunk_scan_combined(**a, chunk_size=4, cu_seqlens=cu, dt_softplus=True,
+                                                     return_varlen_states=True, backend="triton")
+    assert kernel_varlen.stop_gradient
+    assert_close("varlen_states (kernels)", kernel_varlen.numpy(), paddle.stack(finals).numpy(), "float32")
 
 
 CONTRACT_VARIANTS = {  # SSDConfig options; every variant runs two token tiles per chunk in the chunk scan

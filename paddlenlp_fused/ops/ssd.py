@@ -19,9 +19,10 @@ return_final_states=False, return_varlen_states=False)``:
 Backends: ``reference`` (pure Paddle SSD in float32, differentiable by autograd) and ``triton``
 (``kernels/triton/ssd.py``: the chunked forward in five stages inside a PyLayer whose backward runs
 ``kernels/triton/ssd_backward.py``). The Triton kernels take chunk sizes that are powers of two
-(>= 16 on the GPU); ``auto`` falls back to the reference for other sizes. On the Triton backend the
-varlen states are not differentiable (use the reference backend to train through them);
-final_states are.
+(>= 16 on the GPU); ``auto`` falls back to the reference for other sizes. On the Triton backend
+final_states are differentiable through the backward kernels; the varlen states, when a gradient can
+reach them, come from ``reference.ssd.varlen_states_ref`` (a per-sequence weighted ``x^T B``, Paddle
+autograd adding its gradients to the kernels'), else from the forward kernels (``ssd_states_at``).
 """
 
 from __future__ import annotations
@@ -205,11 +206,19 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     dt_limit = tuple(float(v) for v in dt_limit)
     if chosen == "triton" and x.size:  # (no tokens: nothing to launch, the reference returns the empty results)
         runs = None if seq_idx is None else ref.segment_ids(seq_idx, x.shape[0], x.shape[1])
-        positions = None if states_at is None else paddle.to_tensor(np.asarray(states_at, np.int64), place=x.place)
+        # varlen states a gradient can reach: a differentiable composition instead of ssd_states_at
+        varlen_grad = states_at is not None and paddle.is_grad_enabled() and any(
+            t is not None and not t.stop_gradient for t in (x, dt, A, B, dt_bias, initial_states))
+        positions = None if states_at is None or varlen_grad else \
+            paddle.to_tensor(np.asarray(states_at, np.int64), place=x.place)
         out = SSDChunkedFunction.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, runs, positions,
                                        int(chunk_size), bool(dt_softplus), dt_limit, bool(return_final_states))
         y, final_states = out[0], out[1]
-        varlen = out[2][0] if states_at is not None else None
+        if varlen_grad:
+            varlen = ref.varlen_states_ref(x, dt, A, B, bounds, dt_bias, initial_states, dt_softplus,
+                                           dt_limit).astype("float32")
+        else:
+            varlen = out[2][0] if states_at is not None else None
     else:
         out = ref.ssd_chunked_ref(x, dt, A, B, C, int(chunk_size), D=D, z=z, dt_bias=dt_bias,
                                   initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus,

@@ -20,6 +20,8 @@ states stay in the compute dtype. Autograd goes through the casts, so every inpu
   of dt*A inside each chunk, the intra-chunk output ``(C B^T * decay mask) (dt x)``, each chunk's own
   end state, the state passed from chunk to chunk, and the inter-chunk output ``C h_start``.
 * ``ssd_recurrence_ref``: the token-by-token recurrence above.
+* ``varlen_states_ref``: each packed sequence's final state as a weighted ``x^T B`` per sequence
+  (differentiable; the Triton backend's varlen states when they need a gradient).
 * ``selective_state_update_multihead_ref``: one decoding step, state updated in place.
 """
 
@@ -164,6 +166,30 @@ def ssd_chunked_ref(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, in
         own = paddle.matmul(xk[:, c] * w[..., None], Bk[:, c], transpose_x=True)
         at.append(own + paddle.exp(from_start[:, c, :, t])[:, :, None, None] * h_start[:, c])
     return y, h, paddle.stack(at, axis=1)
+
+
+def varlen_states_ref(x, dt, A, B, bounds, dt_bias=None, initial_states=None, dt_softplus=False,
+                      dt_limit=NO_DT_LIMIT):
+    """Each packed sequence's final state, differentiable: x [1, total, nheads, headdim], dt
+    [1, total, nheads], B [1, total, ngroups, dstate], ``bounds`` the offsets [num_seqs + 1] (ints).
+    Sequence s ending at token e: ``sum_t exp(sum_{t < u <= e} dt_u A) dt_t x_t B_t^T`` over its
+    tokens, plus the decayed initial states for the first. Returns [num_seqs, nheads, headdim,
+    dstate] in the compute dtype; memory of one sequence's [nheads, headdim, dstate] products."""
+    cdt = _compute_dtype(x, dt, A, B)
+    nheads = x.shape[2]
+    Af = A.astype(cdt)
+    out = []
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        start, end = int(start), int(end)
+        dtf = process_dt(dt[0, start:end], dt_bias, dt_softplus, dt_limit, cdt)  # [L, h]
+        cums = paddle.cumsum(dtf * Af, axis=0)  # within the sequence: no large differences
+        w = paddle.exp(cums[-1:] - cums) * dtf
+        xw = x[0, start:end].astype(cdt) * w[..., None]  # [L, h, p]
+        h = paddle.matmul(xw.transpose([1, 2, 0]), _heads(B[0, start:end], nheads, cdt).transpose([1, 0, 2]))
+        if i == 0 and initial_states is not None:  # the initial states continue the first sequence
+            h = h + paddle.exp(cums[-1])[:, None, None] * initial_states[0].astype(cdt)
+        out.append(h)
+    return paddle.stack(out)
 
 
 def ssd_recurrence_ref(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, initial_states=None,
