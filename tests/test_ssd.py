@@ -238,6 +238,11 @@ def test_bad_input_raises_clear_errors():
             mamba_chunk_scan_combined(**packed, chunk_size=4, cu_seqlens=paddle.to_tensor(np.array(bad, np.int32)))
     with pytest.raises(ValueError, match="return_varlen_states"):
         mamba_chunk_scan_combined(**packed, chunk_size=4, return_varlen_states=True)
+    for backend in ("reference", "triton"):
+        for bad, error in (("float64", ValueError), ("float16", ValueError), ("int32", ValueError),
+                           (paddle.float16, ValueError), (3, TypeError)):  # x is float32
+            with pytest.raises(error, match="state_dtype"):
+                mamba_chunk_scan_combined(**packed, chunk_size=4, state_dtype=bad, backend=backend)
     with pytest.raises(BackendUnavailableError, match="chunk_size"):
         call(backend="triton", chunk_size=6)
 
@@ -397,6 +402,29 @@ def test_triton_states_in_x_dtype():
     np.testing.assert_array_equal(buf16["states"], rounded)
     with pytest.raises(TypeError, match="states"):
         forward("bfloat16", apart)
+
+
+@pytest.mark.parametrize("state_dtype", [None, "float32", paddle.bfloat16])
+def test_state_dtype_sets_the_stored_states(state_dtype, monkeypatch):
+    """bf16 x with stages 3+4 fused: the forward's chunk states are stored bf16 by default or for
+    x's dtype, float32 for state_dtype float32; y, final states and every gradient stay within bf16's
+    bound of the float64 recurrence on both backends, and the returned final states are float32."""
+    from paddlenlp_fused.kernels.triton import ssd as K
+
+    monkeypatch.setattr(K, "DEFAULT_CONFIG", K.SSDConfig(fuse_state_passing=True))
+    seen, launch = [], K.ssd_chunked_fwd
+    monkeypatch.setattr(K, "ssd_chunked_fwd", lambda *t, **kw: (seen.append(t[8].dtype), launch(*t, **kw))[1])
+    a = _inputs(ngroups=2, dtype="bfloat16")
+    a64 = _as64(a)
+    y64, final64 = ssd_recurrence_ref(**a64, dt_softplus=True)
+    for backend in ("triton", "reference"):
+        y, final = mamba_chunk_scan_combined(**a, chunk_size=8, dt_softplus=True, return_final_states=True,
+                                             state_dtype=state_dtype, backend=backend)
+        assert y.dtype == paddle.bfloat16 and final.dtype == paddle.float32
+        assert_close(f"y ({backend})", to64(y), y64.numpy(), "bfloat16")
+        assert_close(f"final_states ({backend})", final.numpy(), final64.numpy(), "bfloat16")
+        _check_grads([y, final], a, [y64, final64], a64, GRAD_NAMES, dtype="bfloat16")
+    assert seen == [paddle.float32 if state_dtype == "float32" else paddle.bfloat16]
 
 
 def test_triton_chunk_sizes_and_fallback():

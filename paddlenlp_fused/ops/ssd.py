@@ -2,7 +2,7 @@
 
 ``mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
 initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, inf),
-return_final_states=False, return_varlen_states=False)``:
+return_final_states=False, return_varlen_states=False, state_dtype=None)``:
 
 * x, z ``[batch, seqlen, nheads, headdim]``; dt ``[batch, seqlen, nheads]``; A, dt_bias ``[nheads]``;
   B, C ``[batch, seqlen, ngroups, dstate]`` with ngroups dividing nheads; D ``[nheads]`` or
@@ -15,6 +15,12 @@ return_final_states=False, return_varlen_states=False)``:
   ``[batch, nheads, headdim, dstate]`` (float32); with ``return_varlen_states`` (needs cu_seqlens)
   also each sequence's final state ``[num_seqs, nheads, headdim, dstate]`` (float32). Order:
   ``y``, ``(y, final_states)``, ``(y, varlen_states)`` or ``(y, final_states, varlen_states)``.
+* ``state_dtype`` (the option of vLLM's copy of mamba_ssm's kernels; mamba_ssm stores C's dtype): the
+  dtype of the chunk-boundary states kept between the forward's stages and for the backward, never of
+  the returned states. ``None``: the backend's choice (Triton: x's 16-bit dtype where stages 3+4 run
+  fused, float32 otherwise); ``float32``: float32 (the backward's decay term and the varlen states
+  then read unrounded states); x's own 16-bit dtype: as ``None`` (float32 where the unfused state
+  passing sums the stored states). The reference keeps its states in the compute dtype either way.
 
 Backends: ``reference`` (pure Paddle SSD in float32, differentiable by autograd) and ``triton``
 (``kernels/triton/ssd.py``: the chunked forward in five stages inside a PyLayer whose backward runs
@@ -43,6 +49,18 @@ from ._pylayer import cast_like, check_shape, empty_on, grads_for, needs_grad, z
 
 IMPLEMENTED = ("reference", "triton")
 _INT_DTYPES = ("int32", "int64")
+
+
+def _state_dtype_name(state_dtype, x):
+    """``state_dtype`` as a dtype name (None kept): float32, or x's own 16-bit dtype."""
+    if state_dtype is None:
+        return None
+    if not isinstance(state_dtype, (str, paddle.dtype)):
+        raise TypeError(f"state_dtype: expected None, a dtype or its name, got {state_dtype!r}")
+    name = T.dtype_name(paddle.empty([0], dtype=state_dtype)) if isinstance(state_dtype, paddle.dtype) else state_dtype
+    if name not in ("float32", T.dtype_name(x)) or name not in T.FLOAT_DTYPES:
+        raise ValueError(f"state_dtype: expected None, float32 or x's dtype ({T.dtype_name(x)}), got {state_dtype!r}")
+    return name
 
 
 def _check_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_limit,
@@ -128,15 +146,17 @@ class SSDChunkedFunction(PyLayer):
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, positions, chunk_size, dt_softplus,
-                dt_limit, final_differentiable):
+                dt_limit, final_differentiable, state_dtype=None):
         ctx.needs_grad = needs_grad(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, positions)
         x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = (
             contiguous(t) for t in (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx))
         batch, seqlen, nheads, headdim = x.shape
         shapes = K.buffer_shapes(batch, seqlen, nheads, headdim, B.shape[2], B.shape[3], chunk_size)
         buf = {name: empty_on(shape, "float32", x) for name, shape in shapes.items() if name != "states"}
-        # x's dtype where the kernels allow it (half the bytes); fp32 when the varlen states read them
-        states_dtype = "float32" if positions is not None else K.states_dtype(T.dtype_name(x), batch, nheads)
+        # x's dtype where the kernels allow it (half the bytes); fp32 when the varlen states read them or
+        # when asked for
+        states_dtype = "float32" if positions is not None or state_dtype == "float32" else \
+            K.states_dtype(T.dtype_name(x), batch, nheads)
         buf["states"] = empty_on(shapes["states"], states_dtype, x)
         out = empty_on(x.shape, x.dtype, x)
         out_x = empty_on(x.shape, x.dtype, x) if z is not None else None
@@ -193,10 +213,12 @@ class SSDChunkedFunction(PyLayer):
 
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
                               seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
-                              return_final_states=False, return_varlen_states=False, backend: str = "auto"):
+                              return_final_states=False, return_varlen_states=False, state_dtype=None,
+                              backend: str = "auto"):
     """The Mamba-2 SSD scan (see the module docstring for shapes and results)."""
     bounds = _check_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_limit,
                          return_varlen_states)
+    state_dtype = _state_dtype_name(state_dtype, x)
     device = device_of(x)
     chosen = resolve_backend("mamba_chunk_scan_combined", backend, device, implemented=IMPLEMENTED,
                              unsupported=_triton_unsupported(chunk_size))
@@ -212,7 +234,8 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         positions = None if states_at is None or varlen_grad else \
             paddle.to_tensor(np.asarray(states_at, np.int64), place=x.place)
         out = SSDChunkedFunction.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, runs, positions,
-                                       int(chunk_size), bool(dt_softplus), dt_limit, bool(return_final_states))
+                                       int(chunk_size), bool(dt_softplus), dt_limit, bool(return_final_states),
+                                       state_dtype)
         y, final_states = out[0], out[1]
         if varlen_grad:
             varlen = ref.varlen_states_ref(x, dt, A, B, bounds, dt_bias, initial_states, dt_softplus,
