@@ -226,6 +226,24 @@ def test_complex_A_cuda_routing_and_launcher_checks():
         cuda_scan.selective_scan_fwd(u, delta, paddle.real(A), B_pairs[..., :seqlen], C, out)
 
 
+def test_complex_A_auto_on_a_gpu_without_the_cuda_library_takes_the_reference(monkeypatch):
+    """The Triton scan takes real A only: ``auto`` on a GPU whose CUDA library is missing runs complex A
+    on the reference, warning once with both reasons; real A still takes Triton there."""
+    from paddlenlp_fused.runtime import backend as rb
+
+    monkeypatch.setattr(rb, "_warned", set())
+    monkeypatch.setattr(rb, "backend_status", lambda name, device: rb.BackendStatus(
+        name != "cuda", "the CUDA library is not built" if name == "cuda" else ""))
+    for op in ("selective_scan", "mamba_inner"):
+        with pytest.warns(RuntimeWarning, match=r"falling back to the reference backend \(cuda: the CUDA library "
+                                                r"is not built; triton: complex A runs on the cuda and reference"):
+            assert rb.resolve_backend(op, "auto", "gpu", implemented=mamba_ops.SCAN_IMPLEMENTED,
+                                      unsupported=_scan_unsupported(True, 2, 3),
+                                      prefer=mamba_ops.COMPLEX_A_PREFER) == "reference"
+    assert rb.resolve_backend("selective_scan", "auto", "gpu", implemented=mamba_ops.SCAN_IMPLEMENTED,
+                              unsupported=_scan_unsupported(False, 2, 3)) == "triton"
+
+
 class _CudaStandIn:
     """kernels/cuda/selective_scan's launchers for complex A on CPU tensors, computed by the float64
     numpy recurrence, so that the ops' PyLayer glue for complex A runs here (complex64 states, last

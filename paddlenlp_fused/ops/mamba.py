@@ -52,6 +52,8 @@ _SCAN_KERNELS = {"cuda": cuda_scan, "triton": scan_kernels}
 # A among them: Triton takes real A only) or when asked for.
 SCAN_AUTO_ORDER = gpu_order("selective_scan")
 COMPLEX_A_BACKENDS = ("cuda", "reference")  # the Triton scan takes real A only
+# ``auto`` on the GPU for complex A: CUDA; without its library, the reference, warning with both reasons
+COMPLEX_A_PREFER = ("cuda", "triton")
 CUDA_MAX_DSTATE = 256  # shared-memory carries of csrc/selective_scan.cu
 CUDA_MAX_BATCH = 65535  # grid y
 _COMPLEX = (paddle.complex64, paddle.complex128)
@@ -220,11 +222,11 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
                       return_last_state=False, backend: str = "auto"):
     """Mamba-1 selective scan (see the module docstring). Returns out, or (out, last_state)."""
     complex_A = _check_scan_args(u, delta, A, B, C, D, z, delta_bias)
-    # complex A goes to CUDA directly (trying Triton first would warn of a fallback on every such call)
+    # complex A tries CUDA first (Triton first would warn of a fallback on every such call)
     chosen = resolve_backend("selective_scan", backend, device_of(u), implemented=SCAN_IMPLEMENTED,
                              unsupported=_scan_unsupported(complex_A, u.shape[0], A.shape[1],
                                                            _cuda_dtype_issue(u, delta, z, A, B, C, D, delta_bias)),
-                             prefer=("cuda",) if complex_A else SCAN_AUTO_ORDER)
+                             prefer=COMPLEX_A_PREFER if complex_A else SCAN_AUTO_ORDER)
     if chosen == "reference" or u.size == 0:
         return ref.selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state)
     return SelectiveScanFunction.apply(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus),
@@ -524,7 +526,7 @@ def mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_wei
     chosen = resolve_backend("mamba_inner", backend, device_of(xz), implemented=SCAN_IMPLEMENTED,
                              unsupported=_scan_unsupported(complex_A, batch, A.shape[1],
                                                            _cuda_dtype_issue(xz, None, None, A, B, C, D, delta_bias)),
-                             prefer=("cuda",) if complex_A else SCAN_AUTO_ORDER)
+                             prefer=COMPLEX_A_PREFER if complex_A else SCAN_AUTO_ORDER)
     if chosen == "reference" or xz.size == 0:
         return ref.mamba_inner_ref(xz, conv_w, conv1d_bias, x_proj_w, delta_proj_w, out_proj_w, out_proj_bias, A,
                                    B, C, D, delta_bias, B_proj_bias, C_proj_bias, delta_softplus, True,
