@@ -348,6 +348,13 @@ MAMBA = [
           lambda backend, **t: _inner(pf.mamba_inner_fn, checkpoint_lvl=0, backend=backend)(**t),
           lambda **t: _inner(mamba_ref.mamba_inner_ref)(**t),
           low_precision=("xz",), amp_factor=MAMBA_AMP_FACTOR),
+    Entry("mamba_inner_fn(b/c/dt_rms_weight)",
+          lambda: dict(_inner_inputs(), b_rms=randn(3), c_rms=randn(3), dt_rms=randn(4)),
+          lambda backend, b_rms, c_rms, dt_rms, **t: _inner(
+              pf.mamba_inner_fn, b_rms_weight=b_rms, c_rms_weight=c_rms, dt_rms_weight=dt_rms, backend=backend)(**t),
+          lambda b_rms, c_rms, dt_rms, **t: _inner(
+              mamba_ref.mamba_inner_ref, b_rms_weight=b_rms, c_rms_weight=c_rms, dt_rms_weight=dt_rms)(**t),
+          low_precision=("xz",), amp_factor=MAMBA_AMP_FACTOR),
     Entry("MambaMixer",
           lambda: dict(hidden_states=randn(2, 6, 8)),
           lambda layer, hidden_states: layer(hidden_states),
