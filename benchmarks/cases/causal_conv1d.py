@@ -85,6 +85,15 @@ def run(provider, quick: bool = False, sweep: bool = False) -> dict:
     leaves = [t.detach().clone().requires_grad_(True) for t in (x, weight, bias)]
     skipped = {}
 
+    def deterministic_row():  # the deterministic backward: per-program partial sums, fixed-order sum
+        work = provider.empty(TK.bwd_workspace_shape(x, weight), "float32")
+        fwd, bwd = timings(TK, x)[0], timings(TK, x, workspace=work)[1]
+        return {"impl": "paddlenlp_fused/triton deterministic", "fwd_ms": bench_ms(fwd),
+                "fwdbwd_ms": bench_ms(lambda: (fwd(), bwd())), "bwd_ms": bench_ms(bwd),
+                "rel_err": rel_err(out.double().cpu().numpy(), ref)}
+
+    optional_row(rows, skipped, "paddlenlp_fused/triton deterministic", deterministic_row)
+
     def check(y, grads):
         return {"rel_err": rel_err(y.double().cpu().numpy(), ref)}
 
