@@ -318,6 +318,28 @@ def test_triton_varlen_states_equal_per_sequence_loop():
     assert_close("varlen_states (kernels)", kernel_varlen.numpy(), paddle.stack(finals).numpy(), "float32")
 
 
+def test_varlen_states_ref_on_long_strongly_decaying_sequences():
+    """The Triton backend's differentiable varlen states (``varlen_states_ref``), which sum the log decay
+    from each sequence's end, within float32's bound of the float64 recurrence where a sequence's total
+    log decay passes 1e3."""
+    from paddlenlp_fused.reference.ssd import varlen_states_ref
+
+    lengths = (300, 57)
+    a, bounds = _packed(lengths)
+    a["A"] = paddle.to_tensor(-np.abs(a["A"].numpy()) * 4 - 1)
+    a["dt"] = paddle.to_tensor(np.abs(a["dt"].numpy()) + 0.5)
+    states = varlen_states_ref(a["x"], a["dt"], a["A"], a["B"], bounds, a["dt_bias"], a["initial_states"],
+                               dt_softplus=True)
+    a64 = _as64(a, per_token_A=False)
+    finals = []
+    for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        piece = {k: (v[:, s:e] if v.ndim >= 3 and k != "initial_states" else v) for k, v in a64.items()
+                 if i == 0 or k != "initial_states"}
+        finals.append(ssd_recurrence_ref(**piece, dt_softplus=True)[1][0])
+    assert float(paddle.abs(paddle.to_tensor(a["dt"].numpy() * a["A"].numpy())).sum()) > 1e3
+    assert_close("varlen_states", states.numpy(), paddle.stack(finals).numpy(), "float32")
+
+
 CONTRACT_VARIANTS = {  # SSDConfig options; every variant runs two token tiles per chunk in the chunk scan
     "default": {},  # stages 3 and 4 apart (small problem), chunk scan walking its token tiles, loading CB
     "fused_state_passing": dict(fuse_state_passing=True),  # two token blocks per step of the fused kernel

@@ -182,12 +182,14 @@ def varlen_states_ref(x, dt, A, B, bounds, dt_bias=None, initial_states=None, dt
     for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         start, end = int(start), int(end)
         dtf = process_dt(dt[0, start:end], dt_bias, dt_softplus, dt_limit, cdt)  # [L, h]
-        cums = paddle.cumsum(dtf * Af, axis=0)  # within the sequence: no large differences
-        w = paddle.exp(cums[-1:] - cums) * dtf
+        dA = dtf * Af
+        # log decay from each token to the end, summed from the end: exact where the weight is not tiny
+        total = paddle.flip(paddle.cumsum(paddle.flip(dA, [0]), axis=0), [0])  # sum_{u >= t} dA_u
+        w = paddle.exp(total - dA) * dtf
         xw = x[0, start:end].astype(cdt) * w[..., None]  # [L, h, p]
         h = paddle.matmul(xw.transpose([1, 2, 0]), _heads(B[0, start:end], nheads, cdt).transpose([1, 0, 2]))
         if i == 0 and initial_states is not None:  # the initial states continue the first sequence
-            h = h + paddle.exp(cums[-1])[:, None, None] * initial_states[0].astype(cdt)
+            h = h + paddle.exp(total[0])[:, None, None] * initial_states[0].astype(cdt)
         out.append(h)
     return paddle.stack(out)
 
