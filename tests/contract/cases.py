@@ -336,6 +336,13 @@ MAMBA = [
           bad=(Bad("weight dim", with_(weight=randn(4, 4)), ValueError, "weight"),
                Bad("bias shape", with_(bias=randn(4)), ValueError, "bias")),
           low_precision=("x",)),
+    Entry("causal_conv1d_fn(seq_idx with padding, deterministic)",
+          lambda: dict(x=randn(2, 5, 9), weight=randn(5, 4), bias=randn(5), seq_idx=paddle.to_tensor(
+              np.array([[-1, 0, 0, 0, -1, 1, 1, 1, 1], [0, 0, 0, 0, 0, -1, -1, 2, 2]]))),
+          lambda backend, x, weight, bias, seq_idx: pf.causal_conv1d_fn(x, weight, bias, seq_idx, activation="silu",
+                                                                        backend=backend, deterministic=True),
+          lambda x, weight, bias, seq_idx: mamba_ref.causal_conv1d_ref(x, weight, bias, seq_idx, activation="silu"),
+          low_precision=("x",)),
     Entry("mamba_inner_fn(checkpoint_lvl=1)",
           _inner_inputs,
           lambda backend, **t: _inner(pf.mamba_inner_fn, checkpoint_lvl=1, backend=backend)(**t),
