@@ -235,3 +235,134 @@ def test_causal_conv1d_update_matches_reference(provider, backend):
                 want = conv_reference(seq, w64, b64)[0][:, width - 1:]
                 assert_close(f"update out ring={ring}", provider.to_numpy(out)[b], want, dtype)
             np.testing.assert_array_equal(provider.to_numpy(state), want_state)
+
+
+# ----------------------------------------------------------------------------------------------
+# issue #18: seq_idx padding, deterministic backward, state caches, varlen states (Triton)
+
+
+def _padded_ids(batch, seqlen):
+    """Packed rows whose padding (-1) sits at the start, between sequences, across chunk edges and at
+    the end."""
+    ids = np.zeros((batch, seqlen), np.int64)
+    for b in range(batch):
+        cuts = np.sort(np.random.choice(np.arange(1, seqlen), size=6, replace=False))
+        ids[b] = (np.arange(seqlen)[:, None] >= cuts[None, :]).sum(-1)
+        ids[b][ids[b] % 2 == 1] = -1  # every other run is padding
+        ids[b][:3 + b] = -1
+        ids[b][seqlen - 5:] = -1
+    return ids
+
+
+def _padded_reference(x, weight, bias, ids, init, dout):
+    """conv_reference with causal-conv1d's padding rule: out 0 at ids < 0 and no gradient from there."""
+    mask = (ids >= 0)[:, None, :]
+    out, _ = conv_reference(x, weight, bias, ids, init, True, dout)
+    _, grads = conv_reference(x, weight, bias, ids, init, True, dout * mask)
+    return out * mask, grads
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["first", "last"])
+def test_triton_seq_idx_padding(provider, dtype, layout):
+    """seq_idx -1 (padding): output 0 there, nothing carried across, no gradient; odd shape, both
+    layouts, initial states, int32/int64 ids; outputs poisoned."""
+    batch, dim, seqlen, width = 3, 37, 1031, 4
+    ids = _padded_ids(batch, seqlen)
+    seq_idx = provider.from_numpy(ids, "int64" if dtype == "float16" else "int32")
+    x = _layout(provider, (batch, dim, seqlen), dtype, layout)
+    weight, bias = provider.randn((dim, width), dtype, scale=0.5), provider.randn((dim,), dtype)
+    init = provider.randn((batch, dim, width - 1), dtype)
+    dout = _layout(provider, (batch, dim, seqlen), dtype, layout)
+    out, grads = _run_conv(conv_kernels, provider, x, weight, bias, seq_idx, init, dout)
+    ref_out, ref_grads = _padded_reference(provider.to_numpy(x), provider.to_numpy(weight), provider.to_numpy(bias),
+                                           ids, provider.to_numpy(init), provider.to_numpy(dout))
+    got = provider.to_numpy(out)
+    assert (got.transpose(0, 2, 1)[ids < 0] == 0).all()
+    assert_close("out", got, ref_out, dtype)
+    for name, g in grads.items():
+        assert_close(name, provider.to_numpy(g), ref_grads[name], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 37, 3001, 4, "first"), (3, 130, 1000, 3, "last"), (8, 256, 4096, 4, "first")],
+                         ids=str)
+def test_triton_deterministic_backward_bit_identical(provider, dtype, shape):
+    """The workspace path (per-program partial sums, fixed-order sum): dweight/dbias within the bound
+    of float64 and bit-identical over two runs; dx equal to the atomic path's."""
+    batch, dim, seqlen, width, layout = shape
+    x = _layout(provider, (batch, dim, seqlen), dtype, layout)
+    weight, bias = provider.randn((dim, width), dtype, scale=0.5), provider.randn((dim,), dtype)
+    dout = _layout(provider, (batch, dim, seqlen), dtype, layout)
+    runs = []
+    for _ in range(2):
+        dx = _poisoned_like(provider, x)
+        dw, db = provider.zeros((dim, width), "float32"), provider.zeros((dim,), "float32")
+        work = provider.poisoned(conv_kernels.bwd_workspace_shape(x, weight), "float32")  # contents ignored
+        conv_kernels.causal_conv1d_bwd(x, weight, dout, dx, dw, bias, db, activation="silu", workspace=work)
+        provider.synchronize()
+        runs.append([provider.to_numpy(t) for t in (dx, dw, db)])
+    _, ref = conv_reference(provider.to_numpy(x), provider.to_numpy(weight), provider.to_numpy(bias), dout=provider.to_numpy(dout))
+    for name, got in zip(("dx", "dweight", "dbias"), runs[0]):
+        assert_close(name, got, ref[name], dtype)
+    for name, a, b in zip(("dx", "dweight", "dbias"), *runs):
+        assert np.array_equal(a, b), f"{name}: two deterministic runs differ"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ring", [False, True])
+def test_triton_update_conv_state_indices(provider, dtype, ring):
+    """A state cache of 9 slots, 5 rows in any order with two padding rows (-1): output 0 there, the
+    slots not named are bit-unchanged; odd dim; 3 new tokens; out poisoned."""
+    slots, dim, width, state_len, steps = 9, 70, 4, 5, 3
+    idx = np.array([7, -1, 0, 4, -1], np.int32)
+    batch = len(idx)
+    cache = provider.randn((slots, dim, state_len), dtype)
+    cache0 = provider.to_numpy(cache)
+    x = provider.randn((batch, dim, steps), dtype)
+    weight, bias = provider.randn((dim, width), dtype), provider.randn((dim,), dtype)
+    seqlens = np.array([4, 0, 13, 2, 1], dtype=np.int32)
+    out = provider.poisoned((batch, dim, steps), dtype)
+    conv_kernels.causal_conv1d_update(x, cache, weight, out, bias, activation="silu",
+                                      cache_seqlens=provider.from_numpy(seqlens, "int32") if ring else None,
+                                      conv_state_indices=provider.from_numpy(idx, "int32"))
+    provider.synchronize()
+    x64, w64, b64, got, after = (provider.to_numpy(t) for t in (x, weight, bias, out, cache))
+    want_cache = cache0.copy()
+    for b, slot in enumerate(idx):
+        if slot < 0:
+            assert (got[b] == 0).all()
+            continue
+        state0 = cache0[slot]
+        if ring:
+            window = state0[:, (np.arange(-(width - 1), 0) + seqlens[b]) % state_len]
+            for i in range(steps):
+                want_cache[slot][:, (seqlens[b] + i) % state_len] = x64[b][:, i]
+        else:
+            window = state0[:, state_len - (width - 1):]
+            want_cache[slot] = np.concatenate([state0, x64[b]], axis=-1)[:, steps:]
+        want = conv_reference(np.concatenate([window, x64[b]], axis=-1)[None], w64, b64)[0][:, width - 1:]
+        assert_close(f"update out row {b}", got[b], want, dtype)
+    np.testing.assert_array_equal(after, want_cache)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_varlen_states(provider, dtype):
+    """Final states of packed sequences (short, empty, long; tokens past the last sequence), a
+    channel-last view of a wider buffer as x; states poisoned; exact copies."""
+    bounds = np.array([0, 3, 3, 1000, 1700, 1701, 4000], np.int64)
+    dim = 333
+    wide = provider.randn((4100, 2 * dim), dtype)
+    x = wide[:, dim:]  # row stride 2 * dim
+    x64 = provider.to_numpy(x)
+    for state_len in (3, 37):
+        states = provider.poisoned((len(bounds) - 1, dim, state_len), dtype)
+        conv_kernels.causal_conv1d_varlen_states(x, provider.from_numpy(bounds, "int64"), states)
+        provider.synchronize()
+        want = np.zeros((len(bounds) - 1, dim, state_len))
+        for b in range(len(bounds) - 1):
+            for k in range(state_len):
+                t = bounds[b + 1] - state_len + k
+                if t >= bounds[b]:
+                    want[b, :, k] = x64[t]
+        np.testing.assert_array_equal(provider.to_numpy(states), want)

@@ -118,3 +118,50 @@ def test_state_past_2_31_elements(provider):
     assert_close("state tail", provider.to_numpy(state[-2:]), new, "bfloat16")
     assert_close("out tail", provider.to_numpy(out[-2:]), y, "bfloat16")
     assert not np.isnan(provider.to_numpy(out[:: batch // 7])).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("multihead", [False, True])
+def test_state_batch_indices(provider, dtype, multihead):
+    """state_batch_indices: a cache of 11 slots, 6 rows in any order, two padding rows (-1): those
+    output 0 and the slots no row names are bit-unchanged; Mamba-1 (odd dim 130, dstate 16, groups)
+    and Mamba-2 (tied A, 6 heads of 33, dstate 17, 3 groups); out poisoned; int32 and int64 indices."""
+    idx = np.array([9, -1, 0, 4, -1, 10])
+    batch, slots = len(idx), 11
+    if multihead:
+        nheads, headdim, dstate, groups = 6, 33, 17, 3
+        lead = (nheads, headdim)
+        dt, dt_bias = provider.randn((batch, nheads), dtype), provider.randn((nheads,), "float32")
+        A = provider.from_numpy(-np.exp(np.random.randn(nheads)), "float32")
+        D = provider.randn((nheads,), "float32")
+    else:
+        dim, dstate, groups = 130, 16, 2
+        lead = (dim,)
+        dt, dt_bias = provider.randn((batch, dim), dtype), provider.randn((dim,), "float32")
+        A = provider.from_numpy(-np.exp(np.random.randn(dim, dstate)), "float32")
+        D = provider.randn((dim,), "float32")
+    cache = provider.randn((slots,) + lead + (dstate,), dtype)
+    cache0 = provider.to_numpy(cache)
+    x, z = provider.randn((batch,) + lead, dtype), provider.randn((batch,) + lead, dtype)
+    B, C = provider.randn((batch, groups, dstate), dtype), provider.randn((batch, groups, dstate), dtype)
+    out = provider.poisoned((batch,) + lead, dtype)
+    selective_state_update(cache, x, dt, A, B, C, out, D, z, dt_bias, dt_softplus=True,
+                           state_batch_indices=provider.from_numpy(idx, "int64" if dtype == "float16" else "int32"))
+    provider.synchronize()
+    n = {k: provider.to_numpy(v) for k, v in dict(x=x, dt=dt, z=z, A=A, B=B, C=C, D=D, b=dt_bias).items()}
+    live = idx >= 0
+    if multihead:  # broadcast the per-head dt, A, D and the grouped B, C over [b, h, p, n]
+        per_head = lambda M: np.repeat(M, nheads // groups, axis=1)[:, :, None, :]  # noqa: E731
+        new, y = _step64(cache0[idx[live]], n["x"][live], np.repeat(n["dt"][live][..., None], headdim, -1),
+                         n["A"][:, None, None], per_head(n["B"][live]), per_head(n["C"][live]),
+                         n["D"][:, None], n["z"][live], n["b"][:, None], True)
+    else:
+        per_dim = lambda M: np.repeat(M, dim // groups, axis=1)  # noqa: E731
+        new, y = _step64(cache0[idx[live]], n["x"][live], n["dt"][live], n["A"], per_dim(n["B"][live]),
+                         per_dim(n["C"][live]), n["D"], n["z"][live], n["b"], True)
+    got, after = provider.to_numpy(out), provider.to_numpy(cache)
+    assert (got[~live] == 0).all()
+    untouched = [s for s in range(slots) if s not in idx]
+    np.testing.assert_array_equal(after[untouched], cache0[untouched])
+    assert_close("state", after[idx[live]], new, dtype)
+    assert_close("out", got[live], y, dtype)
