@@ -156,6 +156,212 @@ def test_gated_rms_norm_matches_float64(group_size, norm_before_gate, gated, dty
         assert_close(f"gated {label}", to64(gr), r.numpy(), dtype)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_rms_norm,norm_before_gate,group_size,with_bias", [
+    (False, True, None, True), (False, False, 16, True), (True, True, 16, True), (True, False, None, True),
+    (False, True, 8, False)])
+def test_gated_norm_bias_and_layer_norm_match_float64(is_rms_norm, norm_before_gate, group_size, with_bias, dtype,
+                                                      backend):
+    """mamba_ssm's layernorm_gated: bias, and LayerNorm (is_rms_norm=False), values and every
+    gradient (dz includes bias * silu'(z) when the gate comes after the norm)."""
+    shape, N = (5, 48), 48
+    x, z = randn(shape, dtype, requires_grad=True), randn(shape, dtype, requires_grad=True)
+    w = randn((N,), dtype, requires_grad=True)
+    b = randn((N,), dtype, requires_grad=True) if with_bias else None
+    y = rmsnorm_gated_fn(x, w, z, eps=1e-5, group_size=group_size, norm_before_gate=norm_before_gate,
+                         backend=backend, bias=b, is_rms_norm=is_rms_norm)
+    dy = randn(shape, dtype)
+    inputs = [x, w, z] + ([b] if with_bias else [])
+    grads = paddle.grad(y, inputs, dy)
+
+    x64, w64, z64 = as_leaf64(x), as_leaf64(w), as_leaf64(z)
+    b64 = as_leaf64(b) if with_bias else None
+    h = x64 if norm_before_gate else x64 * F.silu(z64)
+    g = group_size or N
+    hg = h.reshape([5, N // g, g])
+    if not is_rms_norm:
+        hg = hg - hg.mean(axis=-1, keepdim=True)
+    y64 = _rms64(hg, 1e-5).reshape(list(shape)) * w64
+    if with_bias:
+        y64 = y64 + b64
+    if norm_before_gate:
+        y64 = y64 * F.silu(z64)
+    ref = paddle.grad(y64, [x64, w64, z64] + ([b64] if with_bias else []), paddle.to_tensor(to64(dy)))
+    assert_close("gated y", to64(y), y64.numpy(), dtype)
+    for label, gr, r in zip(("dx", "dweight", "dz", "dbias"), grads, ref):
+        assert_close(f"gated {label}", to64(gr), r.numpy(), dtype)
+
+
+def test_gated_norm_layer_bias_and_layer_norm():
+    layer = GatedRMSNorm(16, group_size=8, bias_attr=None, is_rms_norm=False, backend="triton")
+    assert sorted(layer.state_dict()) == ["bias", "weight"]
+    layer.bias.set_value(randn((16,)))
+    x, z = randn((3, 16)), randn((3, 16))
+    ref = rmsnorm_gated_fn(x, layer.weight, z, group_size=8, backend="reference", bias=layer.bias, is_rms_norm=False)
+    assert_close("GatedRMSNorm(bias, layer norm)", to64(layer(x, z)), to64(ref), "float32")
+    assert sorted(GatedRMSNorm(16).state_dict()) == ["weight"]
+
+
+def _dropped64(t64, mask, p):
+    return t64 if mask is None else t64 * paddle.to_tensor(mask.numpy().astype(np.float64) / (1 - p))
+
+
+_EXTRAS = {  # flash-attn's options beyond residual/prenorm, one combination each
+    "rowscale": dict(rowscale=True),
+    "dropout": dict(dropout_p=0.25),
+    "rowscale+dropout+residual": dict(rowscale=True, dropout_p=0.1, residual=True),
+    "x1+weight1+bias1+dropout+residual": dict(x1=True, weight1=True, dropout_p=0.2, residual=True),
+    "weight1 only": dict(weight1=True),
+}
+
+
+@pytest.mark.parametrize("is_rms_norm", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("extras", list(_EXTRAS))
+def test_flash_attn_extras_match_float64(extras, dtype, is_rms_norm):
+    """h = dropout(x * rowscale) + dropout(x1) + residual, y = norm(h) * w + b, y1 = norm(h) * w1 +
+    b1, prenorm h: values and the gradients of every input (rowscale too) against float64 with the
+    returned keep-masks; the masks drop about dropout_p and are reproducible from the seed."""
+    opts = _EXTRAS[extras]
+    shape, N, p = (4, 9, 37), 37, opts.get("dropout_p", 0.0)
+    x = randn(shape, dtype, requires_grad=True)
+    w, b = randn((N,), "float32", requires_grad=True), randn((N,), "float32", requires_grad=True)
+    res = randn(shape, dtype, requires_grad=True) if opts.get("residual") else None
+    x1 = randn(shape, dtype, requires_grad=True) if opts.get("x1") else None
+    w1 = randn((N,), "float32", requires_grad=True) if opts.get("weight1") else None
+    b1 = randn((N,), "float32", requires_grad=True) if opts.get("weight1") else None
+    rs = paddle.to_tensor(np.random.rand(*shape[:-1]).astype(np.float32) + 0.5).astype(dtype) \
+        if opts.get("rowscale") else None
+    if rs is not None:
+        rs.stop_gradient = False
+    fn = rms_norm_fn if is_rms_norm else layer_norm_fn
+    kwargs = dict(residual=res, x1=x1, weight1=w1, bias1=b1, eps=1e-5, dropout_p=p, rowscale=rs,
+                  prenorm=True, return_dropout_mask=True, seed=1234)
+    outs = fn(x, w, b, **kwargs)
+    *ys, h, m, m1 = outs
+    assert len(ys) == (2 if w1 is not None else 1) and all(y.dtype == x.dtype for y in ys)
+    assert (m is None) == (p == 0) and (m1 is None) == (p == 0 or x1 is None)
+    if m is not None:
+        assert str(m.dtype).endswith("bool") and list(m.shape) == list(shape)
+        assert abs(1 - m.astype("float32").mean().item() - p) < 0.1
+        again = fn(x, w, b, **kwargs)
+        np.testing.assert_array_equal(again[-2].numpy(), m.numpy())
+        assert m1 is None or not np.array_equal(m1.numpy(), m.numpy())
+    leaves = [t for t in (x, w, b, res, x1, w1, b1, rs) if t is not None]
+    cots = [randn(shape, dtype) for _ in ys] + [randn(shape, str(h.dtype).split(".")[-1])]
+    grads = paddle.grad(ys + [h], leaves, cots)
+
+    x64, w64, b64 = as_leaf64(x), as_leaf64(w), as_leaf64(b)
+    leaves64 = [x64, w64, b64]
+    t = x64
+    if rs is not None:
+        rs64 = as_leaf64(rs)
+        t = t * rs64.unsqueeze(-1)
+    exact = _dropped64(t, m, p)
+    if x1 is not None:
+        x164 = as_leaf64(x1)
+        exact = exact + _dropped64(x164, m1, p)
+    if res is not None:
+        r64 = as_leaf64(res)
+        exact = exact + r64
+    h64 = exact + (paddle.to_tensor(to64(h)) - exact).detach()  # the stream's rounding
+    hn = h64 if is_rms_norm else h64 - h64.mean(axis=-1, keepdim=True)
+    normed = _rms64(hn, 1e-5)
+    ys64 = [normed * w64 + b64]
+    if w1 is not None:
+        w164, b164 = as_leaf64(w1), as_leaf64(b1)
+        ys64.append(normed * w164 + b164)
+    leaves64 += [r64] if res is not None else []
+    leaves64 += [x164] if x1 is not None else []
+    leaves64 += [w164, b164] if w1 is not None else []
+    leaves64 += [rs64] if rs is not None else []
+    ref = paddle.grad(ys64 + [h64], leaves64, [paddle.to_tensor(to64(c)) for c in cots])
+    for i, (y, y64) in enumerate(zip(ys, ys64)):
+        assert_close(f"{extras} y{i}", to64(y), y64.numpy(), dtype)
+    assert_close(f"{extras} h", to64(h), exact.numpy(), dtype)
+    names = ["x", "weight", "bias", "residual", "x1", "weight1", "bias1", "rowscale"]
+    names = [n for n, t in zip(names, (x, w, b, res, x1, w1, b1, rs)) if t is not None]
+    for name, g, r in zip(names, grads, ref):
+        assert_close(f"{extras} d{name}", to64(g), r.numpy(), dtype)
+
+
+def test_flash_attn_extras_route_around_the_kernels():
+    """auto takes the reference for the options the kernels lack; an explicit kernel backend says why."""
+    from paddlenlp_fused.runtime.backend import BackendUnavailableError
+    x, w = randn((3, 8)), randn((8,))
+    for kwargs in (dict(dropout_p=0.1), dict(rowscale=randn((3,))), dict(x1=randn((3, 8))),
+                   dict(weight1=randn((8,)))):
+        with pytest.raises(BackendUnavailableError, match="reference backend only"):
+            rms_norm_fn(x, w, None, backend="triton", **kwargs)
+        rms_norm_fn(x, w, None, backend="auto", **kwargs)
+    y = layer_norm_fn(x, w, None, dropout_p=0.5, seed=7)
+    np.testing.assert_array_equal(y.numpy(), layer_norm_fn(x, w, None, dropout_p=0.5, seed=7).numpy())
+    paddle.seed(11)
+    first = layer_norm_fn(x, w, None, dropout_p=0.5, return_dropout_mask=True)[1].numpy()
+    paddle.seed(11)
+    np.testing.assert_array_equal(first, layer_norm_fn(x, w, None, dropout_p=0.5, return_dropout_mask=True)[1].numpy())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype,weight_dtype,out_dtype", [
+    ("bfloat16", "float32", "float32"), ("float32", "bfloat16", "bfloat16"), ("float16", "bfloat16", None),
+    ("bfloat16", "float16", "float16")])
+def test_out_dtype_and_any_weight_dtype(dtype, weight_dtype, out_dtype, backend):
+    shape, N = (6, 45), 45
+    x, res = randn(shape, dtype, requires_grad=True), randn(shape, dtype, requires_grad=True)
+    w, b = randn((N,), weight_dtype, requires_grad=True), randn((N,), weight_dtype, requires_grad=True)
+    y, h = layer_norm_fn(x, w, b, res, prenorm=True, out_dtype=out_dtype, zero_centered_weight=True, backend=backend)
+    assert str(y.dtype).endswith(out_dtype or dtype)
+    dy = randn(shape, out_dtype or dtype)
+    grads = paddle.grad([y], [x, w, b, res], [dy])
+    assert grads[0].dtype == x.dtype and grads[1].dtype == w.dtype
+    x64, w64, b64, r64 = as_leaf64(x), as_leaf64(w), as_leaf64(b), as_leaf64(res)
+    exact = x64 + r64
+    h64 = exact + (paddle.to_tensor(to64(h)) - exact).detach()
+    y64 = F.layer_norm(h64, N, weight=w64 + 1.0, bias=b64, epsilon=1e-5)
+    ref = paddle.grad([y64], [x64, w64, b64, r64], [paddle.to_tensor(to64(dy))])
+    loosest = "bfloat16" if "bfloat16" in (dtype, weight_dtype, out_dtype) else "float16"
+    assert_close("out_dtype y", to64(y), y64.numpy(), loosest)
+    for label, g, r in zip(("dx", "dweight", "dbias", "dresidual"), grads, ref):
+        assert_close(f"out_dtype {label}", to64(g), r.numpy(), loosest)
+
+
+def test_rms_norm_fn_takes_bias_third_as_flash_attn():
+    x, w, b = randn((4, 16)), randn((16,)), randn((16,))
+    for backend in BACKENDS:
+        y = rms_norm_fn(x, w, b, backend=backend)
+        x64 = paddle.to_tensor(to64(x))
+        assert_close("rms_norm_fn(x, w, b)", to64(y), (_rms64(x64, 1e-6) * to64(w) + to64(b)).numpy(), "float32")
+
+
+def test_flash_attn_extras_bad_input():
+    x, w = randn((3, 8)), randn((8,))
+    cases = [
+        (ValueError, "x1: expected x's shape", dict(x1=randn((3, 4)))),
+        (ValueError, "rowscale: not supported together with x1", dict(x1=randn((3, 8)), rowscale=randn((3,)))),
+        (ValueError, "rowscale: expected x's leading shape", dict(rowscale=randn((8,)))),
+        (TypeError, "rowscale: expected dtype", dict(rowscale=paddle.ones([3], dtype="int32"))),
+        (ValueError, "weight1: expected shape", dict(weight1=randn((4,)))),
+        (TypeError, "weight1: expected weight's dtype", dict(weight1=randn((8,), "bfloat16"))),
+        (ValueError, "bias1: given without weight1", dict(bias1=randn((8,)))),
+        (ValueError, "dropout_p: expected a number in", dict(dropout_p=1.0)),
+        (ValueError, "dropout_p: expected a number in", dict(dropout_p=-0.1)),
+        (TypeError, "seed: expected None or an int", dict(seed=1.5)),
+        (TypeError, "out_dtype: expected None or one of", dict(out_dtype="int32")),
+        (ValueError, "zero_centered_weight", dict(zero_centered_weight=True, weight_offset=0.5)),
+    ]
+    for backend in BACKENDS:
+        for error, message, kwargs in cases:
+            with pytest.raises(error, match=message):
+                layer_norm_fn(x, w, None, backend=backend, **kwargs)
+    for backend in BACKENDS:
+        with pytest.raises(TypeError, match="bias: expected weight's dtype"):
+            rmsnorm_gated_fn(x, w, backend=backend, bias=randn((8,), "float16"))
+        with pytest.raises(ValueError, match=r"bias: expected shape \[8\]"):
+            rmsnorm_gated_fn(x, w, backend=backend, bias=randn((4,)))
+
+
 def _np_norm_grads(h, w, b, dy, eps, is_rms):
     """float64 forward and backward of a norm over the last axis (numpy)."""
     mean = 0.0 if is_rms else h.mean(-1, keepdims=True)
@@ -264,8 +470,8 @@ def test_bad_input_raises_clear_errors():
         rms_norm_fn(paddle.ones([3, 8], dtype="int32"), w)
     with pytest.raises(TypeError, match="weight: expected dtype"):
         rms_norm_fn(x, paddle.ones([8], dtype="int64"))
-    with pytest.raises(TypeError, match="weight: expected float32 or x's dtype"):
-        rms_norm_fn(randn((3, 8), "float16"), randn((8,), "bfloat16"))
+    with pytest.raises(TypeError, match="bias: expected weight's dtype"):
+        rms_norm_fn(x, w, randn((8,), "bfloat16"))
     with pytest.raises(TypeError, match="residual: expected a paddle.Tensor"):
         rms_norm_fn(x, w, residual=np.ones((3, 8), np.float32))
     with pytest.raises(ValueError, match="group_size: expected a positive divisor"):

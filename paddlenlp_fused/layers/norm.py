@@ -56,7 +56,7 @@ class FusedLayerNorm(nn.Layer):
         flat = list(x.shape[:len(x.shape) - len(trailing)]) + [math.prod(trailing)]
         weight = self.weight if self.weight is not None else self._unit_weight
         out = layer_norm_fn(x.reshape(flat), weight, self.bias,
-                            None if residual is None else residual.reshape(flat), self._epsilon,
+                            None if residual is None else residual.reshape(flat), eps=self._epsilon,
                             prenorm=residual is not None, residual_in_fp32=self._residual_in_fp32,
                             backend=self._backend)
         if residual is None:
@@ -86,7 +86,7 @@ class FusedRMSNorm(nn.Layer):
             _mark_sequence_parallel(self.weight)
 
     def forward(self, x, residual=None):
-        return layer_norm_fn(x, self.weight, None, residual, self.variance_epsilon, prenorm=residual is not None,
+        return layer_norm_fn(x, self.weight, None, residual, eps=self.variance_epsilon, prenorm=residual is not None,
                              residual_in_fp32=self._residual_in_fp32, is_rms_norm=True, backend=self._backend,
                              weight_offset=self._weight_offset)
 
@@ -97,10 +97,13 @@ class FusedRMSNorm(nn.Layer):
 
 class GatedRMSNorm(nn.Layer):
     """Mamba-2's gated RMSNorm: ``forward(x, z=None)`` = ``rmsnorm(x) * weight * silu(z)``
-    (norm_before_gate) or ``rmsnorm(x * silu(z)) * weight``, per group of ``group_size`` columns."""
+    (norm_before_gate) or ``rmsnorm(x * silu(z)) * weight``, per group of ``group_size`` columns.
+    ``bias_attr`` other than False adds a ``bias [hidden_size]`` (zeros); ``is_rms_norm=False``
+    normalises as LayerNorm (mamba_ssm's gated ``LayerNorm``)."""
 
     def __init__(self, hidden_size: int, epsilon: float = 1e-6, group_size=None, norm_before_gate: bool = True,
-                 weight_attr=None, sequence_parallel: bool = False, backend: str = "auto"):
+                 weight_attr=None, sequence_parallel: bool = False, backend: str = "auto", bias_attr=False,
+                 is_rms_norm: bool = True):
         super().__init__()
         if group_size is not None and (group_size <= 0 or hidden_size % group_size):
             raise ValueError(f"group_size: expected a positive divisor of hidden_size {hidden_size}, got {group_size}")
@@ -109,15 +112,19 @@ class GatedRMSNorm(nn.Layer):
         self.group_size = group_size
         self.norm_before_gate = norm_before_gate
         self._backend = backend
+        self.is_rms_norm = is_rms_norm
         self.weight = self.create_parameter([hidden_size], attr=weight_attr,
                                             default_initializer=nn.initializer.Constant(1.0))
+        self.bias = None if bias_attr is False else self.create_parameter(
+            [hidden_size], attr=bias_attr, is_bias=True, default_initializer=nn.initializer.Constant(0.0))
         if sequence_parallel:
-            _mark_sequence_parallel(self.weight)
+            _mark_sequence_parallel(self.weight, self.bias)
 
     def forward(self, x, z=None):
         return rmsnorm_gated_fn(x, self.weight, z, self.eps, self.group_size, self.norm_before_gate,
-                                backend=self._backend)
+                                backend=self._backend, bias=self.bias, is_rms_norm=self.is_rms_norm)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, epsilon={self.eps}, group_size={self.group_size}, "
-                f"norm_before_gate={self.norm_before_gate}, backend={self._backend}")
+                f"norm_before_gate={self.norm_before_gate}, is_rms_norm={self.is_rms_norm}, "
+                f"bias={self.bias is not None}, backend={self._backend}")

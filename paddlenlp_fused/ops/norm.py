@@ -11,11 +11,12 @@ RMSNorm. Backends: ``cuda`` (csrc/norm.cu, not the gated norm), ``triton`` and `
 from __future__ import annotations
 
 import paddle
+import paddle.nn.functional as F
 from paddle.autograd import PyLayer
 
 from ..kernels.cuda import norm as cuda_norm
 from ..kernels.triton import norm as triton_norm
-from ..reference.norm import layer_norm_ref, rmsnorm_gated_ref
+from ..reference.norm import dropout_mask, layer_norm_ref, rmsnorm_gated_ref
 from ..runtime import tensor as T
 from ..runtime.backend import gpu_order, resolve_backend
 from ..runtime.triton_paddle import triton_args
@@ -55,13 +56,14 @@ class NormFunction(PyLayer):
     """LayerNorm / RMSNorm over the last axis with optional residual add, on one GPU backend."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, is_rms_norm, prenorm, residual_dtype, weight_offset, backend):
+    def forward(ctx, x, weight, bias, residual, eps, is_rms_norm, prenorm, residual_dtype, weight_offset, out_dtype,
+                backend):
         N = x.shape[-1]
         x2d = contiguous(x).reshape([-1, N])
         weight, bias = contiguous(weight), contiguous(bias)
         M = x2d.shape[0]
         res2d = None if residual is None else contiguous(residual).reshape([M, N])
-        y = paddle.empty([M, N], dtype=x.dtype, device=x.place)
+        y = paddle.empty([M, N], dtype=out_dtype, device=x.place)
         res_out = None
         if residual is not None or residual_dtype != x.dtype:
             res_out = paddle.empty([M, N], dtype=residual_dtype, device=x.place)
@@ -72,7 +74,7 @@ class NormFunction(PyLayer):
                 eps=eps, is_rms_norm=is_rms_norm, weight_offset=weight_offset)
         ctx.save_for_backward(x2d if res_out is None else res_out, weight, mean, rstd)
         ctx.options = dict(is_rms_norm=is_rms_norm, weight_offset=weight_offset)
-        ctx.backend, ctx.shape, ctx.has_bias = backend, x.shape, bias is not None
+        ctx.backend, ctx.shape, ctx.has_bias, ctx.x_dtype = backend, x.shape, bias is not None, x.dtype
         ctx.returns_res_out = prenorm and res_out is not None
         ctx.residual_dtype = None if residual is None else residual.dtype
         ctx.needs_grad = needs_grad(x, weight, bias, residual)
@@ -85,7 +87,7 @@ class NormFunction(PyLayer):
         M, N = h.shape
         dy2d = contiguous(dy).reshape([M, N])
         dres_out2d = contiguous(dres_out).reshape([M, N]) if ctx.returns_res_out else None
-        dx = paddle.empty([M, N], dtype=dy.dtype, device=dy.place)
+        dx = paddle.empty([M, N], dtype=ctx.x_dtype, device=dy.place)
         # the kernel writes the residual's gradient (dh, as dx) into its own tensor: Paddle adds the
         # gradients of an input's other consumers into the returned tensor in place, so x and the
         # residual must not share one
@@ -94,7 +96,7 @@ class NormFunction(PyLayer):
             dres = paddle.empty([M, N], dtype=ctx.residual_dtype, device=dy.place)
         dweight = paddle.empty(weight.shape, dtype=weight.dtype, device=dy.place)
         dbias = paddle.empty(weight.shape, dtype=weight.dtype, device=dy.place) if ctx.has_bias else None
-        workspace = _bwd_workspace(ctx.backend, M, N, T.dtype_name(dy), ctx.has_bias, place=dy.place)
+        workspace = _bwd_workspace(ctx.backend, M, N, T.dtype_name(dx), ctx.has_bias, place=dy.place)
         _launch(ctx.backend, "norm_bwd", dict(h=h, weight=weight, mean=mean, rstd=rstd, dy=dy2d, dx=dx,
                                               dweight=dweight, dbias=dbias, dresidual_out=dres_out2d, dresidual=dres,
                                               **workspace), **ctx.options)
@@ -105,20 +107,26 @@ class NormFunction(PyLayer):
         return grads_for(ctx, grads)
 
 
+_OUT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _check_vector_arg(name: str, t, N: int, like=None) -> None:
+    if t is None:
+        return
+    check_tensor(name, t)
+    if list(t.shape) != [N]:
+        raise ValueError(f"{name}: expected shape [{N}] (the last axis of x), got {list(t.shape)}")
+    if like is not None and t.dtype != like[1].dtype:
+        raise TypeError(f"{name}: expected {like[0]}'s dtype {T.dtype_name(like[1])}, got {T.dtype_name(t)}")
+
+
 def _check_norm_args(x, weight, bias=None, residual=None) -> int:
+    """Shapes and dtypes of the common arguments; weight (and bias, in weight's dtype) may be in any
+    float dtype: the kernels load it and compute in fp32."""
     check_tensor("x", x)
     N = x.shape[-1]
-    check_tensor("weight", weight)
-    if list(weight.shape) != [N]:
-        raise ValueError(f"weight: expected shape [{N}] (the last axis of x), got {list(weight.shape)}")
-    if T.dtype_name(weight) not in ("float32", T.dtype_name(x)):
-        raise TypeError(f"weight: expected float32 or x's dtype {T.dtype_name(x)}, got {T.dtype_name(weight)}")
-    if bias is not None:
-        check_tensor("bias", bias)
-        if list(bias.shape) != [N]:
-            raise ValueError(f"bias: expected shape [{N}] (the last axis of x), got {list(bias.shape)}")
-        if bias.dtype != weight.dtype:
-            raise TypeError(f"bias: expected the weight's dtype {T.dtype_name(weight)}, got {T.dtype_name(bias)}")
+    _check_vector_arg("weight", weight, N)
+    _check_vector_arg("bias", bias, N, ("weight", weight))
     if residual is not None:
         check_tensor("residual", residual)
         if list(residual.shape) != list(x.shape):
@@ -126,78 +134,177 @@ def _check_norm_args(x, weight, bias=None, residual=None) -> int:
     return N
 
 
-def layer_norm_fn(x, weight, bias, residual=None, eps: float = 1e-5, prenorm: bool = False,
-                  residual_in_fp32: bool = False, is_rms_norm: bool = False, backend: str = "auto",
-                  weight_offset: float = 0.0):
-    """LayerNorm (or RMSNorm) over the last axis of x ``[..., N]`` with weight/bias ``[N]`` (fp32 or
-    x's dtype; bias may be None), after adding ``residual`` (x's shape) when given. Returns y in
-    x's dtype, or ``(y, h)`` with ``prenorm=True``, h = x + residual in float32 when
-    ``residual_in_fp32`` (else the residual's dtype; x itself when there is neither)."""
+def _check_out_dtype(out_dtype, x) -> str:
+    if out_dtype is None:
+        return T.dtype_name(x)
+    name = T.dtype_name(out_dtype) if not isinstance(out_dtype, str) else out_dtype
+    if name not in _OUT_DTYPES:
+        raise TypeError(f"out_dtype: expected None or one of {list(_OUT_DTYPES)}, got {out_dtype!r}")
+    return name
+
+
+def _weight_offset(weight_offset, zero_centered_weight) -> float:
+    """flash-attn's ``zero_centered_weight=True`` is ``weight_offset=1.0`` (scale by 1 + weight)."""
+    weight_offset = float(weight_offset)
+    if zero_centered_weight:
+        if weight_offset not in (0.0, 1.0):
+            raise ValueError(f"zero_centered_weight: means weight_offset=1.0, got weight_offset={weight_offset}")
+        return 1.0
+    return weight_offset
+
+
+def _check_extras(x, N, x1, weight, weight1, bias1, dropout_p, rowscale, seed) -> float:
+    """flash-attn's parallel-residual, dropout and rowscale arguments; returns dropout_p."""
+    if x1 is not None:
+        check_tensor("x1", x1)
+        if list(x1.shape) != list(x.shape):
+            raise ValueError(f"x1: expected x's shape {list(x.shape)}, got {list(x1.shape)}")
+        if rowscale is not None:
+            raise ValueError("rowscale: not supported together with x1 (as in flash-attn)")
+    _check_vector_arg("weight1", weight1, N, ("weight", weight))
+    if bias1 is not None and weight1 is None:
+        raise ValueError("bias1: given without weight1")
+    _check_vector_arg("bias1", bias1, N, ("weight1", weight1))
+    if rowscale is not None:
+        check_tensor("rowscale", rowscale)
+        if list(rowscale.shape) != list(x.shape[:-1]):
+            raise ValueError(f"rowscale: expected x's leading shape {list(x.shape[:-1])}, got {list(rowscale.shape)}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed: expected None or an int, got {type(seed).__name__}")
+    return float(dropout_p)
+
+
+def _dropout_masks(x, x1, dropout_p: float, seed):
+    """Keep-masks of x and x1 from ``seed``, or from a seed drawn from Paddle's generator (so
+    ``paddle.seed`` makes them reproducible); x1's from the next seed."""
+    if dropout_p == 0.0:
+        return None, None
+    if seed is None:
+        seed = int(paddle.randint(0, 2**31 - 1, [1], dtype="int64").cpu().item())
+    mask = dropout_mask(x.shape, dropout_p, seed, x.place)
+    return mask, None if x1 is None else dropout_mask(x1.shape, dropout_p, seed + 1, x.place)
+
+
+def layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps: float = 1e-5,
+                  dropout_p: float = 0.0, rowscale=None, prenorm: bool = False, residual_in_fp32: bool = False,
+                  zero_centered_weight: bool = False, is_rms_norm: bool = False, return_dropout_mask: bool = False,
+                  out_dtype=None, backend: str = "auto", weight_offset: float = 0.0, seed=None):
+    """LayerNorm (or RMSNorm) over the last axis of x ``[..., N]`` with weight/bias ``[N]`` (any
+    float dtype, bias in weight's; bias may be None), after adding ``residual`` (x's shape) when
+    given; flash-attn's ``layer_norm_fn`` arguments in its order.
+
+    h = dropout(x * rowscale) + dropout(x1) + residual (each term optional; ``rowscale`` [...]
+    scales x's rows, not with x1; dropout keeps an element with probability 1 - dropout_p and
+    scales it by 1 / (1 - dropout_p), its mask drawn from ``seed``, else from Paddle's generator).
+    y = norm(h) * (weight + weight_offset) + bias in ``out_dtype`` (default x's dtype);
+    ``zero_centered_weight=True`` is ``weight_offset=1.0``. Returns y; (y, y1) when ``weight1`` is
+    given (y1 = norm(h) * (weight1 + weight_offset) + bias1); prenorm appends h (float32 with
+    ``residual_in_fp32``, else the residual's dtype, else x's); ``return_dropout_mask`` appends the
+    bool keep-masks of x and x1 (None where there is no dropout or no x1)."""
     N = _check_norm_args(x, weight, bias, residual)
+    dropout_p = _check_extras(x, N, x1, weight, weight1, bias1, dropout_p, rowscale, seed)
     eps = check_eps("eps", eps)
+    out_dtype = _check_out_dtype(out_dtype, x)
+    weight_offset = _weight_offset(weight_offset, zero_centered_weight)
     residual_dtype = paddle.float32 if residual_in_fp32 else (residual.dtype if residual is not None else x.dtype)
     op = "rms_norm" if is_rms_norm else "layer_norm"
+    extras = [name for name, given in (("x1", x1 is not None), ("weight1", weight1 is not None),
+                                        ("rowscale", rowscale is not None), ("dropout_p", dropout_p > 0)) if given]
+
+    def unsupported(name):
+        if extras:
+            return f"{', '.join(extras)}: implemented on the reference backend only"
+        if name == "cuda" and out_dtype != T.dtype_name(x):
+            return f"out_dtype {out_dtype} differs from x's dtype"
+        if name == "cuda" and T.dtype_name(weight) not in ("float32", T.dtype_name(x)):
+            return f"weight dtype {T.dtype_name(weight)} is neither float32 nor x's dtype"
+        return None
+
     chosen = resolve_backend(op, backend, device_of(x), implemented=("triton", "cuda", "reference"),
-                             prefer=auto_order(N))
+                             unsupported=unsupported, prefer=auto_order(N))
+    masks = _dropout_masks(x, x1, dropout_p, seed)
     if chosen == "reference" or x.size == 0:  # (empty tensors: nothing to launch)
-        return layer_norm_ref(x, weight, bias, residual, eps, prenorm, residual_dtype, is_rms_norm, weight_offset)
-    out = NormFunction.apply(x, weight, bias, residual, eps, is_rms_norm, prenorm, residual_dtype,
-                             float(weight_offset), chosen)
-    if prenorm and residual is None and residual_dtype == x.dtype:
-        return out, x  # h is x: its gradient reaches x through autograd
+        out = layer_norm_ref(x, weight, bias, residual, eps, prenorm, residual_dtype, is_rms_norm, weight_offset,
+                             x1=x1, weight1=weight1, bias1=bias1, rowscale=rowscale, dropout_p=dropout_p,
+                             dropout_mask=masks[0], dropout_mask1=masks[1], out_dtype=out_dtype)
+    else:
+        out = NormFunction.apply(x, weight, bias, residual, eps, is_rms_norm, prenorm, residual_dtype,
+                                 weight_offset, out_dtype, chosen)
+        if prenorm and residual is None and residual_dtype == x.dtype:
+            out = (out, x)  # h is x: its gradient reaches x through autograd
+    if return_dropout_mask:
+        out = (out if isinstance(out, tuple) else (out,)) + masks
     return out
 
 
-def rms_norm_fn(x, weight, residual=None, eps: float = 1e-6, prenorm: bool = False, residual_in_fp32: bool = False,
-                backend: str = "auto", weight_offset: float = 0.0):
-    """RMSNorm ``h / sqrt(mean(h^2) + eps) * (weight + weight_offset)`` over the last axis, h = x
-    (+ residual); see ``layer_norm_fn`` for residual, prenorm and residual_in_fp32."""
-    return layer_norm_fn(x, weight, None, residual, eps, prenorm, residual_in_fp32, is_rms_norm=True,
-                         backend=backend, weight_offset=weight_offset)
+def rms_norm_fn(x, weight, bias=None, residual=None, x1=None, weight1=None, bias1=None, eps: float = 1e-6,
+                dropout_p: float = 0.0, rowscale=None, prenorm: bool = False, residual_in_fp32: bool = False,
+                zero_centered_weight: bool = False, return_dropout_mask: bool = False, out_dtype=None,
+                backend: str = "auto", weight_offset: float = 0.0, seed=None):
+    """RMSNorm ``h / sqrt(mean(h^2) + eps) * (weight + weight_offset) (+ bias)`` over the last
+    axis; flash-attn's ``rms_norm_fn`` (bias the third argument, as there); see ``layer_norm_fn``."""
+    return layer_norm_fn(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, prenorm,
+                         residual_in_fp32, zero_centered_weight, is_rms_norm=True,
+                         return_dropout_mask=return_dropout_mask, out_dtype=out_dtype, backend=backend,
+                         weight_offset=weight_offset, seed=seed)
 
 
 class GatedRMSNormFunction(PyLayer):
-    """Mamba-2's gated RMSNorm on the Triton kernels."""
+    """Mamba-2's gated RMSNorm (or LayerNorm) on the Triton kernels."""
 
     @staticmethod
-    def forward(ctx, x, weight, z, eps, group_size, norm_before_gate):
+    def forward(ctx, x, weight, bias, z, eps, group_size, norm_before_gate, is_rms_norm):
         N = x.shape[-1]
-        x2d, weight = contiguous(x).reshape([-1, N]), contiguous(weight)
+        x2d, weight, bias = contiguous(x).reshape([-1, N]), contiguous(weight), contiguous(bias)
         M = x2d.shape[0]
         z2d = None if z is None else contiguous(z).reshape([M, N])
         ngroups = N // (group_size or N)
         y = paddle.empty([M, N], dtype=x.dtype, device=x.place)
+        mean = None if is_rms_norm else paddle.empty([M * ngroups], dtype="float32", device=x.place)
         rstd = paddle.empty([M * ngroups], dtype="float32", device=x.place)
-        options = dict(is_rms_norm=True, group_size=group_size, norm_before_gate=norm_before_gate)
-        _launch("triton", "norm_fwd", dict(x=x2d, weight=weight, bias=None, y=y, mean=None, rstd=rstd, z=z2d),
+        options = dict(is_rms_norm=is_rms_norm, group_size=group_size, norm_before_gate=norm_before_gate)
+        _launch("triton", "norm_fwd", dict(x=x2d, weight=weight, bias=bias, y=y, mean=mean, rstd=rstd, z=z2d),
                 eps=eps, **options)
-        ctx.save_for_backward(x2d, weight, z2d, rstd)
+        ctx.save_for_backward(x2d, weight, bias, z2d, mean, rstd)
         ctx.options, ctx.shape = options, x.shape
-        ctx.needs_grad = needs_grad(x, weight, z)
+        ctx.needs_grad = needs_grad(x, weight, bias, z)
         return y.reshape(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x2d, weight, z2d, rstd = ctx.saved_tensor()
+        x2d, weight, bias, z2d, mean, rstd = ctx.saved_tensor()
         M, N = x2d.shape
+        dy2d = contiguous(dy).reshape([M, N])
+        # the kernel's dz leaves out bias * silu'(z) (gate after the norm): add it here in fp32
+        bias_in_dz = bias is not None and z2d is not None and ctx.options["norm_before_gate"]
         dx = paddle.empty([M, N], dtype=x2d.dtype, device=x2d.place)
-        dz = None if z2d is None else paddle.empty([M, N], dtype=z2d.dtype, device=x2d.place)
+        dz = None if z2d is None else paddle.empty([M, N], dtype="float32" if bias_in_dz else z2d.dtype,
+                                                   device=x2d.place)
         dweight = paddle.empty(weight.shape, dtype=weight.dtype, device=x2d.place)
-        workspace = _bwd_workspace("triton", M, N, T.dtype_name(x2d), False, ctx.options["group_size"],
+        dbias = None if bias is None else paddle.empty(bias.shape, dtype=bias.dtype, device=x2d.place)
+        workspace = _bwd_workspace("triton", M, N, T.dtype_name(x2d), bias is not None, ctx.options["group_size"],
                                    place=x2d.place)
-        _launch("triton", "norm_bwd", dict(h=x2d, weight=weight, mean=None, rstd=rstd,
-                                           dy=contiguous(dy).reshape([M, N]), dx=dx, dweight=dweight, z=z2d, dz=dz,
-                                           **workspace), **ctx.options)
-        grads = [dx.reshape(ctx.shape), dweight] + ([] if dz is None else [dz.reshape(ctx.shape)])
+        _launch("triton", "norm_bwd", dict(h=x2d, weight=weight, mean=mean, rstd=rstd, dy=dy2d, dx=dx,
+                                           dweight=dweight, dbias=dbias, z=z2d, dz=dz, **workspace), **ctx.options)
+        if bias_in_dz:
+            z32 = z2d.astype("float32")
+            sig = F.sigmoid(z32)
+            dz = (dz + dy2d.astype("float32") * bias.astype("float32") * sig * (1.0 + z32 * (1.0 - sig))
+                  ).astype(z2d.dtype)
+        grads = [dx.reshape(ctx.shape), dweight] + ([] if dbias is None else [dbias]) + \
+            ([] if dz is None else [dz.reshape(ctx.shape)])
         return grads_for(ctx, grads)
 
 
 def rmsnorm_gated_fn(x, weight, z=None, eps: float = 1e-6, group_size=None, norm_before_gate: bool = True,
-                     backend: str = "auto"):
+                     backend: str = "auto", bias=None, is_rms_norm: bool = True):
     """Gated RMSNorm over groups of ``group_size`` columns of x ``[..., N]`` (default: all N), weight
-    ``[N]``: ``rmsnorm(x) * weight * silu(z)`` with norm_before_gate, else ``rmsnorm(x * silu(z)) *
-    weight``; no gate when z is None."""
-    N = _check_norm_args(x, weight)
+    and bias ``[N]`` (bias optional, in weight's dtype): ``(rmsnorm(x) * weight + bias) * silu(z)``
+    with norm_before_gate, else ``rmsnorm(x * silu(z)) * weight + bias``; no gate when z is None.
+    ``is_rms_norm=False``: LayerNorm instead (mamba_ssm's gated ``layernorm_fn``)."""
+    N = _check_norm_args(x, weight, bias)
     if z is not None:
         check_tensor("z", z)
         if list(z.shape) != list(x.shape):
@@ -208,5 +315,5 @@ def rmsnorm_gated_fn(x, weight, z=None, eps: float = 1e-6, group_size=None, norm
     group_size = None if group_size is None else int(group_size)
     chosen = resolve_backend("rmsnorm_gated", backend, device_of(x), implemented=("triton", "reference"))
     if chosen == "reference" or x.size == 0:
-        return rmsnorm_gated_ref(x, weight, z, eps, group_size, norm_before_gate)
-    return GatedRMSNormFunction.apply(x, weight, z, eps, group_size, norm_before_gate)
+        return rmsnorm_gated_ref(x, weight, z, eps, group_size, norm_before_gate, bias, bool(is_rms_norm))
+    return GatedRMSNormFunction.apply(x, weight, bias, z, eps, group_size, norm_before_gate, bool(is_rms_norm))

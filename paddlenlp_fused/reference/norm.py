@@ -7,6 +7,7 @@ autograd goes through the casts. The residual stream ``h = x + residual`` is rou
 
 from __future__ import annotations
 
+import numpy as np
 import paddle
 import paddle.nn.functional as F
 
@@ -19,35 +20,71 @@ def _normalize(h32, eps: float, is_rms_norm: bool):
     return centred * paddle.rsqrt((centred * centred).mean(axis=-1, keepdim=True) + eps)
 
 
+def dropout_mask(shape, p: float, seed: int, place=None):
+    """Keep-mask (bool) of ``dropout_p`` p for a tensor of ``shape``, a function of the seed alone:
+    drawn by numpy on the host, so it is the same on every device and backend."""
+    keep = np.random.RandomState(seed % 2**32).random_sample(list(shape)) >= p
+    return paddle.to_tensor(keep, place=place)
+
+
+def _dropped(x32, mask, p: float):
+    return x32 if mask is None else paddle.where(mask, x32 / (1.0 - p), paddle.zeros_like(x32))
+
+
 def layer_norm_ref(x, weight, bias=None, residual=None, eps: float = 1e-5, prenorm: bool = False,
-                   residual_dtype=None, is_rms_norm: bool = False, weight_offset: float = 0.0):
+                   residual_dtype=None, is_rms_norm: bool = False, weight_offset: float = 0.0, *, x1=None,
+                   weight1=None, bias1=None, rowscale=None, dropout_p: float = 0.0, dropout_mask=None,
+                   dropout_mask1=None, out_dtype=None):
     """y = norm(h) * (weight + weight_offset) + bias over the last axis, h = x (+ residual) in
-    ``residual_dtype`` (default: residual's dtype, else x's). Returns y, or (y, h) with prenorm."""
+    ``residual_dtype`` (default: residual's dtype, else x's). Returns y, or (y, h) with prenorm.
+
+    flash-attn's extras: h = dropout(x * rowscale) + dropout(x1) + residual with the keep-masks
+    ``dropout_mask`` / ``dropout_mask1`` (kept values scaled by 1 / (1 - dropout_p)); ``weight1``
+    (and ``bias1``) give a second output y1 = norm(h) * (weight1 + weight_offset) + bias1, returned
+    after y: (y, y1[, h]). y (and y1) in ``out_dtype`` (default x's dtype)."""
     residual_dtype = residual_dtype or (residual.dtype if residual is not None else x.dtype)
-    if residual is None and residual_dtype == x.dtype:
+    out_dtype = out_dtype or x.dtype
+    plain = rowscale is None and dropout_mask is None and x1 is None
+    if residual is None and residual_dtype == x.dtype and plain:
         h = x
     else:
         h32 = x.astype("float32")
+        if rowscale is not None:
+            h32 = h32 * rowscale.astype("float32").unsqueeze(-1)
+        h32 = _dropped(h32, dropout_mask, dropout_p)
+        if x1 is not None:
+            h32 = h32 + _dropped(x1.astype("float32"), dropout_mask1, dropout_p)
         if residual is not None:
             h32 = h32 + residual.astype("float32")
         h = h32.astype(residual_dtype)
-    y = _normalize(h.astype("float32"), eps, is_rms_norm) * (weight.astype("float32") + weight_offset)
-    if bias is not None:
-        y = y + bias.astype("float32")
-    y = y.astype(x.dtype)
-    return (y, h) if prenorm else y
+    normed = _normalize(h.astype("float32"), eps, is_rms_norm)
+    outs = []
+    for w, b in ((weight, bias), (weight1, bias1)):
+        if w is None:
+            continue
+        y = normed * (w.astype("float32") + weight_offset)
+        if b is not None:
+            y = y + b.astype("float32")
+        outs.append(y.astype(out_dtype))
+    if prenorm:
+        outs.append(h)
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
-def rmsnorm_gated_ref(x, weight, z=None, eps: float = 1e-6, group_size=None, norm_before_gate: bool = True):
-    """Mamba-2's gated RMSNorm over groups of ``group_size`` columns (default: the whole last axis):
-    ``norm(x) * weight * silu(z)`` (norm_before_gate) or ``norm(x * silu(z)) * weight``."""
+def rmsnorm_gated_ref(x, weight, z=None, eps: float = 1e-6, group_size=None, norm_before_gate: bool = True,
+                      bias=None, is_rms_norm: bool = True):
+    """Mamba-2's gated RMSNorm (or LayerNorm, ``is_rms_norm=False``) over groups of ``group_size``
+    columns (default: the whole last axis): ``(norm(x) * weight + bias) * silu(z)``
+    (norm_before_gate) or ``norm(x * silu(z)) * weight + bias``."""
     N = x.shape[-1]
     group_size = group_size or N
     h = x.astype("float32")
     if z is not None and not norm_before_gate:
         h = h * F.silu(z.astype("float32"))
     grouped = h.reshape(list(x.shape[:-1]) + [N // group_size, group_size])
-    y = _normalize(grouped, eps, True).reshape(h.shape) * weight.astype("float32")
+    y = _normalize(grouped, eps, is_rms_norm).reshape(h.shape) * weight.astype("float32")
+    if bias is not None:
+        y = y + bias.astype("float32")
     if z is not None and norm_before_gate:
         y = y * F.silu(z.astype("float32"))
     return y.astype(x.dtype)

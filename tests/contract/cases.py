@@ -123,7 +123,7 @@ NORMS = [
           low_precision=("x", "residual")),
     Entry("rms_norm_fn(residual, prenorm)",
           lambda: dict(x=randn(5, 16), weight=randn(16), residual=randn(5, 16)),
-          lambda backend, x, weight, residual: pf.rms_norm_fn(x, weight, residual, prenorm=True, backend=backend),
+          lambda backend, x, weight, residual: pf.rms_norm_fn(x, weight, None, residual, prenorm=True, backend=backend),
           lambda x, weight, residual: (_rms(x + residual, weight), x + residual),
           empty=lambda: dict(x=randn(0, 16), weight=randn(16), residual=randn(0, 16)),
           bad=_NORM_BAD, low_precision=("x", "residual")),
