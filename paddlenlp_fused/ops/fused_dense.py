@@ -419,9 +419,9 @@ def _resolve_heuristic(heuristic) -> Optional[int]:
 
 
 def _choose_backend(op, backend, x, dims):
+    """The backend that runs this call: the chosen one, but the reference (no launch) for a problem
+    with an empty dimension, which the launchers do not take."""
     def unsupported(name):
-        if min(dims) == 0:
-            return f"an empty dimension (sizes {dims})"
         if name == "cuda":
             from ..kernels.cuda import fused_dense as cuda_kernels
 
@@ -429,8 +429,9 @@ def _choose_backend(op, backend, x, dims):
             return None if ok else why
         return None
 
-    return resolve_backend(op, backend, device_of(x), implemented=("cuda", "triton", "reference"),
-                           unsupported=unsupported)
+    chosen = resolve_backend(op, backend, device_of(x), implemented=("cuda", "triton", "reference"),
+                             unsupported=unsupported)
+    return "reference" if min(dims) == 0 else chosen
 
 
 def _needs_grad(*tensors) -> bool:
@@ -479,6 +480,7 @@ def fused_dense_func(x: paddle.Tensor, weight: paddle.Tensor, bias: Optional[pad
     else:
         cfg = _Config(_KERNELS[chosen](None, T.dtype_name(x)), "none", 0, pg, sequence_parallel, True)
         x2d = contiguous(x).reshape([-1, x.shape[-1]])
+        weight, bias = contiguous(weight), contiguous(bias)  # the launchers take contiguous operands only
         if _needs_grad(x, weight, bias):
             out2d = _FusedDenseFunction.apply(x2d, weight, bias, cfg)
         else:
@@ -534,7 +536,9 @@ def fused_mlp_func(x: paddle.Tensor, weight1: paddle.Tensor, weight2: paddle.Ten
         cfg = _Config(_KERNELS[chosen](heuristic_index, T.dtype_name(x)), activation, checkpoint_lvl, pg,
                       sequence_parallel, bias2_in_epilogue)
         x2d = contiguous(x).reshape([-1, x.shape[-1]])
-        b2 = bias2 if bias2_in_epilogue else None
+        # the launchers take contiguous operands only
+        weight1, weight2, bias1 = contiguous(weight1), contiguous(weight2), contiguous(bias1)
+        b2 = contiguous(bias2) if bias2_in_epilogue else None
         if _needs_grad(x, weight1, weight2, bias1, b2):
             out2d = _FusedMLPFunction.apply(x2d, weight1, weight2, bias1, b2, cfg)
         else:

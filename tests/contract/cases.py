@@ -183,13 +183,6 @@ GATED = [
     for name, act in (("swiglu", "silu"), ("geglu", "gelu_tanh"))
 ]
 
-# defects of ops/fused_dense.py (not this suite's to fix), reported
-_DENSE_STRIDES = ("ops/fused_dense.py hands a non-contiguous weight or bias to the Triton launchers, which "
-                  "reject it ('bias: launcher expects a contiguous tensor'): make them contiguous first")
-_DENSE_EMPTY = ("ops/fused_dense.py _choose_backend marks an empty dimension unsupported for every backend, the "
-                "reference included, so 0 tokens raise BackendUnavailableError instead of returning empty "
-                "outputs and zero gradients")
-
 _DENSE_BAD = (Bad("weight rows", with_(weight=randn(7, 6)), ValueError, "weight"),
               Bad("bias shape", with_(bias=randn(5)), ValueError, "bias"))
 
@@ -200,8 +193,7 @@ DENSE = [
           lambda x, weight, bias: paddle.matmul(x, weight) + bias,
           backends=("reference", "triton"),
           empty=lambda: dict(x=randn(0, 8), weight=randn(8, 6), bias=randn(6)),
-          bad=_DENSE_BAD, low_precision=("x",), o1=True,
-          known={("non_contiguous", "triton"): _DENSE_STRIDES, "empty": _DENSE_EMPTY}),
+          bad=_DENSE_BAD, low_precision=("x",), o1=True),
 ] + [
     Entry(f"fused_mlp_func({act}, checkpoint_lvl={lvl})",
           lambda act=act: dict(x=randn(5, 8), w1=randn(8, 12 if act in ("swiglu", "geglu") else 6, scale=0.5),
@@ -213,17 +205,17 @@ DENSE = [
           empty=lambda act=act: dict(x=randn(0, 8), w1=randn(8, 12 if act in ("swiglu", "geglu") else 6),
                                      w2=randn(6, 4), b1=randn(12 if act in ("swiglu", "geglu") else 6), b2=randn(4)),
           bad=(Bad("weight1 rows", with_(w1=randn(7, 6)), ValueError, "weight1"),),
-          low_precision=("x",), known={("non_contiguous", "triton"): _DENSE_STRIDES, "empty": _DENSE_EMPTY})
+          low_precision=("x",))
     for act, lvl in (("gelu_approx", 0), ("gelu_approx", 1), ("relu", 2), ("swiglu", 1))
 ] + [
     Entry("FusedDense", lambda: dict(x=randn(4, 8)), lambda layer, x: layer(x),
           lambda layer, x: paddle.matmul(x, layer.weight) + layer.bias, build=built(pf.FusedDense, 8, 6),
-          empty=lambda: dict(x=randn(0, 8)), low_precision=("x",), known={"empty": _DENSE_EMPTY}),
+          empty=lambda: dict(x=randn(0, 8)), low_precision=("x",)),
     Entry("FusedMLP(gelu_approx, checkpoint_lvl=2)", lambda: dict(x=randn(4, 8)), lambda layer, x: layer(x),
           lambda layer, x: _plain_mlp(x, layer.fc1.weight, layer.fc2.weight, layer.fc1.bias, layer.fc2.bias,
                                       "gelu_approx"),
           build=built(pf.FusedMLP, 8, 12, activation="gelu_approx", checkpoint_lvl=2),
-          empty=lambda: dict(x=randn(0, 8)), low_precision=("x",), known={"empty": _DENSE_EMPTY}),
+          empty=lambda: dict(x=randn(0, 8)), low_precision=("x",)),
     Entry("ColumnParallelLinear(1 process)", lambda: dict(x=randn(2, 3, 8)), lambda layer, x: layer(x),
           lambda layer, x: paddle.matmul(x, layer.weight) + layer.bias,
           build=built(pf.ColumnParallelLinear, 8, 6, has_bias=True), low_precision=("x",)),
