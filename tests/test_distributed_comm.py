@@ -192,3 +192,33 @@ def test_ring_shift_nccl_branch_matches_the_gloo_branch(monkeypatch):
     assert gloo_recvs == nccl_recvs == [pg.group.ranks[(rank - 1) % world]] * 2
     for (_, mine), (_, theirs) in zip(nccl_sends, gloo_sends):
         np.testing.assert_array_equal(mine, theirs)
+
+
+def _views(x, num_or_sections, axis=0):
+    """paddle.split as a strided kernel gives it: chunks that are views of ``x``."""
+    n = x.shape[axis] // num_or_sections
+    return [paddle.slice(x, [axis], [i * n], [(i + 1) * n]) for i in range(num_or_sections)]
+
+
+@pytest.mark.parametrize("strided_split", [False, True], ids=["split copies", "split views"])
+@pytest.mark.parametrize("layer,args", [
+    (comm._CopyToParallel, ()), (comm._ReduceFromParallel, ()), (comm._SplitAxis, (0,)), (comm._SplitAxis, (1,)),
+    (comm._GatherAxis, (0,)), (comm._GatherAxis, (1,)), (comm._AllGatherSequence, ()),
+    (comm._ReduceScatterSequence, ())],
+    ids=lambda v: v.__name__ if isinstance(v, type) else "".join(f"axis{a}" for a in v) or "-")
+def test_backward_returns_a_gradient_of_its_own(monkeypatch, layer, args, strided_split):
+    """Paddle may accumulate into a PyLayer's returned gradient in place (autograd contract), so no
+    backward returns dy or a view of it. Rank 0 of 2, collectives stood in for (gloo branches)."""
+    monkeypatch.setattr(paddle.distributed, "get_backend", lambda group=None: "GLOO")
+    monkeypatch.setattr(paddle.distributed, "all_reduce", lambda t, op=0, group=None, sync_op=True: None)
+    monkeypatch.setattr(paddle.distributed, "all_gather",
+                        lambda parts, t, group=None, sync_op=True: parts.extend(t.clone() for _ in range(2)))
+    if strided_split:
+        monkeypatch.setattr(paddle, "split", _views)
+    pg = comm.ParallelGroup(FakeGroup([10, 11], 0), 2, 0, 10)
+    ctx = types.SimpleNamespace()
+    y = layer.forward(ctx, paddle.to_tensor(_rank_input(0)), pg, *args)
+    dy = paddle.to_tensor(np.random.randn(*y.shape).astype(np.float32))
+    dx = layer.backward(ctx, dy)
+    assert dx is not dy and not dx._is_shared_buffer_with(dy)
+    assert list(dx.shape) == [4, 6]

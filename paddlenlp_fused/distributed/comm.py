@@ -95,6 +95,12 @@ def _chunk(x, pg: ParallelGroup, axis: int, what: str):
     return paddle.split(x, pg.world_size, axis=axis)[pg.rank].contiguous()
 
 
+def _fresh(grad, dy):
+    """``grad``, or a copy where it shares ``dy``'s buffer (a chunk that a strided ``split`` left a view):
+    a PyLayer returns a gradient of its own, since Paddle may accumulate into it in place."""
+    return grad.clone() if grad._is_shared_buffer_with(dy) else grad
+
+
 def _reduce_scatter(x, pg: ParallelGroup):
     if x.shape[0] % pg.world_size:
         raise ValueError(f"reduce_scatter_sequence: axis 0 of size {x.shape[0]} does not split over "
@@ -125,7 +131,7 @@ class _ReduceFromParallel(PyLayer):
 
     @staticmethod
     def backward(ctx, dy):
-        return dy
+        return dy.clone()  # not dy itself: Paddle may accumulate into the returned gradient in place
 
 
 class _SplitAxis(PyLayer):
@@ -151,7 +157,7 @@ class _GatherAxis(PyLayer):
 
     @staticmethod
     def backward(ctx, dy):
-        return _chunk(dy, ctx.pg, ctx.axis, "gather backward")
+        return _fresh(_chunk(dy, ctx.pg, ctx.axis, "gather backward"), dy)
 
 
 class _AllGatherSequence(PyLayer):
