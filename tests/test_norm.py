@@ -420,6 +420,35 @@ def test_gated_chunked_path_matches_reference():
     assert_close("gated chunked y", to64(y), ref64.numpy(), "float32")
 
 
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+def test_gated_layer_norm_bias_chunked_and_slab_paths(norm_before_gate):
+    """The gated LayerNorm with bias through the chunked forward and the column-slab backward (a
+    register block of 8 columns for groups of 32) against the float64 values of the reference's
+    autograd; the launcher's dz leaves out bias * silu'(z) with the gate after the norm."""
+    M, N, G = 5, 64, 32
+    x, z, w, b, dy = (randn((M, N), "float32", requires_grad=True), randn((M, N), "float32", requires_grad=True),
+                      randn((N,), "float32", requires_grad=True), randn((N,), "float32", requires_grad=True),
+                      randn((M, N), "float32"))
+    nan = lambda *shape: paddle.full(list(shape), float("nan"), dtype="float32")  # noqa: E731
+    y, mean, rstd, dx, dz, dw, db = nan(M, N), nan(M * 2), nan(M * 2), nan(M, N), nan(M, N), nan(N), nan(N)
+    triton_norm.norm_fwd(*triton_args(x, w, b, y, mean, rstd), z=triton_args(z)[0], eps=1e-6, group_size=G,
+                         norm_before_gate=norm_before_gate, max_block=8)
+    partials, rowstats = triton_norm.bwd_workspace_shapes(M, N, True, G, max_block=8)
+    assert rowstats is not None  # the slab path
+    triton_norm.norm_bwd(*triton_args(x, w, mean, rstd, dy, dx, dw, nan(*partials)),
+                         **dict(zip(("dbias", "z", "dz", "rowstats"), triton_args(db, z, dz, nan(*rowstats)))),
+                         group_size=G, norm_before_gate=norm_before_gate, max_block=8)
+    ref = rmsnorm_gated_fn(x, w, z, eps=1e-6, group_size=G, norm_before_gate=norm_before_gate,
+                           backend="reference", bias=b, is_rms_norm=False)
+    rdx, rdw, rdb, rdz = paddle.grad(ref, [x, w, b, z], dy)
+    if norm_before_gate:
+        sig = F.sigmoid(z)
+        rdz = rdz - dy * b * sig * (1 + z * (1 - sig))
+    for label, got, want in (("y", y, ref), ("dx", dx, rdx), ("dweight", dw, rdw), ("dbias", db, rdb),
+                             ("dz", dz, rdz)):
+        assert_close(f"gated layer norm slabs {label}", to64(got), to64(want), "float32")
+
+
 def test_fused_layer_norm_state_dict_and_output_match_paddle_layer_norm():
     ours, theirs = FusedLayerNorm([4, 6], epsilon=1e-5), paddle.nn.LayerNorm([4, 6], epsilon=1e-5)
     assert sorted(ours.state_dict()) == sorted(theirs.state_dict()) == ["bias", "weight"]

@@ -371,6 +371,92 @@ def test_gated_rms_norm_matches_float64(provider, N, group_size, norm_before_gat
     assert_close("gated dweight", provider.to_numpy(dw), (g * xhat).sum(0), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,group_size,norm_before_gate", [(4096, 1024, True), (777, None, False), (24, 8, True),
+                                                           (40000, 20000, False)])
+def test_gated_layer_norm_with_bias_matches_float64(provider, N, group_size, norm_before_gate, dtype):
+    """mamba_ssm's gated LayerNorm (is_rms_norm=False) with bias at the launcher. With the gate
+    after the norm the launcher's dz leaves out bias * silu'(z) (ops.norm adds it) and is fp32, as
+    the op passes it."""
+    M = 129
+    x, z, w, b, dy = (provider.randn((M, N), dtype, offset=0.5), provider.randn((M, N), dtype),
+                      provider.randn((N,), dtype), provider.randn((N,), dtype), provider.randn((M, N), dtype))
+    G = group_size or N
+    y, mean, rstd = (provider.poisoned((M, N), dtype), provider.poisoned((M * (N // G),), "float32"),
+                     provider.poisoned((M * (N // G),), "float32"))
+    triton_norm.norm_fwd(x, w, b, y, mean, rstd, z=z, eps=1e-6, group_size=group_size,
+                         norm_before_gate=norm_before_gate)
+    dz_dtype = "float32" if norm_before_gate else dtype
+    dx, dz = provider.poisoned((M, N), dtype), provider.poisoned((M, N), dz_dtype)
+    dw, db = provider.poisoned((N,), dtype), provider.poisoned((N,), dtype)
+    partials, rowstats = _workspace(provider, "triton", M, N, dtype, True, group_size)
+    counters = provider.zeros((triton_norm.COUNTERS,), "int32")
+    triton_norm.norm_bwd(x, w, mean, rstd, dy, dx, dw, partials, dbias=db, z=z, dz=dz, rowstats=rowstats,
+                         counters=counters, group_size=group_size, norm_before_gate=norm_before_gate)
+    provider.synchronize()
+    assert not provider.to_numpy(counters).any()
+
+    x64, z64, w64, b64, dy64 = (provider.to_numpy(t) for t in (x, z, w, b, dy))
+    sig = 1 / (1 + np.exp(-z64))
+    silu, dsilu = z64 * sig, sig * (1 + z64 * (1 - sig))
+    h = x64 if norm_before_gate else x64 * silu
+    hg = h.reshape(M, N // G, G)
+    centred = hg - hg.mean(-1, keepdims=True)
+    rs = 1 / np.sqrt((centred * centred).mean(-1, keepdims=True) + 1e-6)
+    xhat_g = centred * rs
+    xhat = xhat_g.reshape(M, N)
+    g = dy64 * silu if norm_before_gate else dy64  # gradient at xhat * w + b
+    wdy = (g * w64).reshape(M, N // G, G)
+    dh = ((wdy - xhat_g * (xhat_g * wdy).mean(-1, keepdims=True) - wdy.mean(-1, keepdims=True)) * rs).reshape(M, N)
+    ref_y = (xhat * w64 + b64) * (silu if norm_before_gate else 1.0)
+    ref_dx = dh if norm_before_gate else dh * silu
+    ref_dz = dy64 * xhat * w64 * dsilu if norm_before_gate else dh * x64 * dsilu
+    assert_close("gated layer norm y", provider.to_numpy(y), ref_y, dtype)
+    assert_close("gated layer norm dx", provider.to_numpy(dx), ref_dx, dtype)
+    assert_close("gated layer norm dz", provider.to_numpy(dz), ref_dz, dtype)
+    assert_close("gated layer norm dweight", provider.to_numpy(dw), (g * xhat).sum(0), dtype)
+    assert_close("gated layer norm dbias", provider.to_numpy(db), g.sum(0), dtype)
+
+
+@pytest.mark.parametrize("is_rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype,out_dtype,w_dtype", [("bfloat16", "float32", "float16"),
+                                                     ("float32", "bfloat16", "float16"),
+                                                     ("float16", "float32", "bfloat16")])
+@pytest.mark.parametrize("shape", [(1, 1), (257, 777), (1000, 4096), (5, 12345)], ids=str)
+def test_triton_out_dtype_and_weight_dtype(provider, shape, dtype, out_dtype, w_dtype, is_rms):
+    """y (and dy) in out_dtype, weight/bias (and their gradients) in a third dtype (flash-attn's
+    out_dtype and weight dtypes; the CUDA kernels are routed around these)."""
+    M, N = shape
+    x, dy = provider.randn((M, N), dtype, scale=2.0, offset=0.5), provider.randn((M, N), out_dtype)
+    w = provider.randn((N,), w_dtype)
+    b = None if is_rms else provider.randn((N,), w_dtype)
+    y, rstd = provider.poisoned((M, N), out_dtype), provider.poisoned((M,), "float32")
+    mean = None if is_rms else provider.poisoned((M,), "float32")
+    triton_norm.norm_fwd(x, w, b, y, mean, rstd, eps=1e-5, is_rms_norm=is_rms)
+    dx, dw = provider.poisoned((M, N), dtype), provider.poisoned((N,), w_dtype)
+    db = None if is_rms else provider.poisoned((N,), w_dtype)
+    partials, rowstats = _workspace(provider, "triton", M, N, dtype, b is not None)
+    counters = provider.zeros((triton_norm.COUNTERS,), "int32")
+    triton_norm.norm_bwd(x, w, mean, rstd, dy, dx, dw, partials, dbias=db, rowstats=rowstats, counters=counters,
+                         is_rms_norm=is_rms)
+    provider.synchronize()
+    assert not provider.to_numpy(counters).any()
+    ref_y, dh, ref_dw, ref_db, rstd64 = _reference(provider.to_numpy(x), provider.to_numpy(w),
+                                                   None if b is None else provider.to_numpy(b),
+                                                   provider.to_numpy(dy), None, 1e-5, is_rms)
+    loosest = "bfloat16" if "bfloat16" in (dtype, out_dtype, w_dtype) else "float16"
+    assert_close("y", provider.to_numpy(y), ref_y, loosest)
+    if N == 1:  # all cancellation: against the size of the terms (as test_fwd_bwd_match_float64)
+        err = np.linalg.norm(provider.to_numpy(dx) - dh) / np.linalg.norm(
+            provider.to_numpy(w) * provider.to_numpy(dy) * rstd64)
+        assert err <= bound_for(loosest), f"dx (N=1): error {err:.3e} of |w dy| rstd"
+    else:
+        assert_close("dx", provider.to_numpy(dx), dh, loosest)
+    assert_close("dweight", provider.to_numpy(dw), ref_dw, loosest)
+    if b is not None:
+        assert_close("dbias", provider.to_numpy(db), ref_db, loosest)
+
+
 @pytest.mark.xdist_group("huge")
 @pytest.mark.parametrize("backend", sorted(KERNELS))
 def test_rows_past_2_31_elements(provider, backend):

@@ -788,7 +788,8 @@ def compile_cases():
     """Launches for the compile-only check (SpecTensor arguments): per dtype, LayerNorm with bias,
     an fp32 residual stream and prenorm at the canonical width, and with the fused partial sums;
     RMSNorm at 65536 (chunked forward, backward in slabs); the gated RMSNorm with groups and the
-    gate first."""
+    gate first; the gated LayerNorm with bias, gate last (dz in fp32, as ops.norm passes it); y in
+    another dtype than x (out_dtype) with a weight in a third."""
     f32 = "float32"
     for dtype in T.FLOAT_DTYPES:
         M, N = 16384, 4096
@@ -824,3 +825,23 @@ def compile_cases():
         yield f"gated_rms_norm_bwd[{dtype},N={N},group={group}]", lambda x=x, w=w, s=stat, p=partials: \
             norm_bwd(x, w, None, s, x, x, w, T.SpecTensor(p, f32), z=x, dz=x, is_rms_norm=True,
                      group_size=group, norm_before_gate=False)
+
+        b, mean, dz32 = T.SpecTensor((N,), dtype), T.SpecTensor((M * 3,), f32), T.SpecTensor((M, N), f32)
+        partials, _ = bwd_workspace_shapes(M, N, True, group_size=group)
+        yield f"gated_layer_norm_fwd[{dtype},N={N},group={group},bias]", lambda x=x, w=w, b=b, m=mean, s=stat: \
+            norm_fwd(x, w, b, x, m, s, z=x, group_size=group)
+        yield f"gated_layer_norm_bwd[{dtype},N={N},group={group},bias]", \
+            lambda x=x, w=w, b=b, m=mean, s=stat, p=partials, dz=dz32: \
+            norm_bwd(x, w, m, s, x, x, w, T.SpecTensor(p, f32), dbias=b, z=x, dz=dz, group_size=group)
+
+        M, N = 4096, 3000
+        other = {"float32": "bfloat16", "float16": "float32", "bfloat16": "float32"}[dtype]
+        w_dtype = {"float32": "float16", "float16": "bfloat16", "bfloat16": "float16"}[dtype]
+        x, y = T.SpecTensor((M, N), dtype), T.SpecTensor((M, N), other)
+        w, stat = T.SpecTensor((N,), w_dtype), T.SpecTensor((M,), f32)
+        partials, _ = bwd_workspace_shapes(M, N, True)
+        yield f"layer_norm_fwd[{dtype},N={N},out {other},weight {w_dtype}]", lambda x=x, y=y, w=w, s=stat: \
+            norm_fwd(x, w, w, y, s, s)
+        yield f"layer_norm_bwd[{dtype},N={N},dy {other},weight {w_dtype}]", \
+            lambda x=x, y=y, w=w, s=stat, p=partials: \
+            norm_bwd(x, w, s, s, y, x, w, T.SpecTensor(p, f32), dbias=w, counters=T.SpecTensor((COUNTERS,), "int32"))
