@@ -34,6 +34,7 @@ from paddle.optimizer.lr import LambdaDecay, LRScheduler
 
 from ..kernels.triton.adamw import (MOMENT_DTYPES, adamw_multi_tensor, check_group, hyper_rows, offsets_table,
                                     plan_chunks, step_seed, table_aligned)
+from ..ops._checks import check_eps
 from ..reference.adamw import adamw_step_ref
 from ..runtime import tensor as T
 from ..runtime.backend import BACKENDS, BackendUnavailableError, resolve_backend
@@ -56,14 +57,18 @@ def _float(name: str, value) -> float:
     return float(value)
 
 
+def _check_finite(name: str, value: float) -> None:
+    """NaN or inf would silently turn every updated parameter into NaN."""
+    if not np.isfinite(value):
+        raise ValueError(f"{name}: expected a finite float, got {value}")
+
+
 def _check_hyper(beta1: float, beta2: float, epsilon: float, weight_decay: float, where: str = "") -> None:
     for name, value in (("beta1", beta1), ("beta2", beta2)):
         if not 0.0 <= value < 1.0:
             raise ValueError(f"{where}{name}: expected a value in [0, 1), got {value}")
-    if not epsilon >= 0.0:
-        raise ValueError(f"{where}epsilon: expected epsilon >= 0, got {epsilon}")
-    if not np.isfinite(weight_decay):
-        raise ValueError(f"{where}weight_decay: expected a finite float, got {weight_decay}")
+    check_eps(f"{where}epsilon", epsilon)
+    _check_finite(f"{where}weight_decay", weight_decay)
 
 
 def _dtype_name(dtype) -> str:
@@ -127,6 +132,8 @@ class FusedAdamW(Optimizer):
             learning_rate = float(learning_rate)
         if not isinstance(learning_rate, (float, LRScheduler)):
             raise TypeError(f"learning_rate: expected a float or an LRScheduler, got {type(learning_rate).__name__}")
+        if isinstance(learning_rate, float):
+            _check_finite("learning_rate", learning_rate)
         beta1, beta2, epsilon = _float("beta1", beta1), _float("beta2", beta2), _float("epsilon", epsilon)
         weight_decay = _float("weight_decay", weight_decay)
         _check_hyper(beta1, beta2, epsilon, weight_decay)
@@ -182,6 +189,10 @@ class FusedAdamW(Optimizer):
             param_group.setdefault(key, value)
         for key in ("weight_decay", "beta1", "beta2", "epsilon"):
             param_group[key] = _float(f"parameters[{len(self._param_groups)}][{key!r}]", param_group[key])
+        if "learning_rate" in param_group:  # a scale of the base rate
+            name = f"parameters[{len(self._param_groups)}]['learning_rate']"
+            param_group["learning_rate"] = _float(name, param_group["learning_rate"])
+            _check_finite(name, param_group["learning_rate"])
         _check_hyper(param_group["beta1"], param_group["beta2"], param_group["epsilon"], param_group["weight_decay"],
                      where=f"parameters[{len(self._param_groups)}] ")
         if param_group.get("lazy_mode", False):

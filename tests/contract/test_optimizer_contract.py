@@ -49,9 +49,13 @@ def test_accumulated_frozen_and_unused_parameters_match_paddle_adamw(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name,value", [("epsilon", float("nan")), ("beta1", float("nan")),
-                                        ("weight_decay", float("nan"))])
+@pytest.mark.parametrize("name,value", [(name, value) for name in ("learning_rate", "epsilon", "beta1", "beta2",
+                                                                    "weight_decay")
+                                        for value in (float("nan"), float("inf"), float("-inf"))])
 def test_bad_hyper_parameters_raise_naming_them(name, value, backend):
     params = _model([np.zeros((2, 2), np.float32)])
     with pytest.raises(ValueError, match=name):
         pf.FusedAdamW(parameters=params, backend=backend, **{name: value})
+    # the same in a parameter group (its learning_rate: a scale of the base rate)
+    with pytest.raises(ValueError, match=rf"parameters\[0\]\W+{name}"):
+        pf.FusedAdamW(parameters=[{"params": params, name: value}], backend=backend)
