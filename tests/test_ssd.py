@@ -429,8 +429,8 @@ def test_triton_states_in_x_dtype():
 @pytest.mark.parametrize("state_dtype", [None, "float32", paddle.bfloat16])
 def test_state_dtype_sets_the_stored_states(state_dtype, monkeypatch):
     """bf16 x with stages 3+4 fused: the forward's chunk states are stored bf16 by default or for
-    x's dtype, float32 for state_dtype float32; y, final states and every gradient stay within bf16's
-    bound of the float64 recurrence on both backends, and the returned final states are float32."""
+    x's dtype, float32 for state_dtype float32; y, final states and the per-token gradients stay within
+    bf16's bound of the float64 recurrence on both backends, and the returned final states are float32."""
     from paddlenlp_fused.kernels.triton import ssd as K
 
     monkeypatch.setattr(K, "DEFAULT_CONFIG", K.SSDConfig(fuse_state_passing=True))
@@ -445,7 +445,10 @@ def test_state_dtype_sets_the_stored_states(state_dtype, monkeypatch):
         assert y.dtype == paddle.bfloat16 and final.dtype == paddle.float32
         assert_close(f"y ({backend})", to64(y), y64.numpy(), "bfloat16")
         assert_close(f"final_states ({backend})", final.numpy(), final64.numpy(), "bfloat16")
-        _check_grads([y, final], a, [y64, final64], a64, GRAD_NAMES, dtype="bfloat16")
+        # the per-token gradients; dA, dD, ddt_bias, dinitial_states sum cancelling terms over every token
+        # (see test_low_precision_inputs_compute_in_float32)
+        _check_grads([y, final], a, [y64, final64], a64, GRAD_NAMES, dtype="bfloat16",
+                     compare=("x", "dt", "B", "C", "z"))
     assert seen == [paddle.float32 if state_dtype == "float32" else paddle.bfloat16]
 
 

@@ -55,9 +55,10 @@ def _state_dtype_name(state_dtype, x):
     """``state_dtype`` as a dtype name (None kept): float32, or x's own 16-bit dtype."""
     if state_dtype is None:
         return None
-    if not isinstance(state_dtype, (str, paddle.dtype)):
+    dtype_class = type(paddle.float32)
+    if not isinstance(state_dtype, (str, dtype_class)):
         raise TypeError(f"state_dtype: expected None, a dtype or its name, got {state_dtype!r}")
-    name = T.dtype_name(paddle.empty([0], dtype=state_dtype)) if isinstance(state_dtype, paddle.dtype) else state_dtype
+    name = T.dtype_name(paddle.empty([0], dtype=state_dtype)) if isinstance(state_dtype, dtype_class) else state_dtype
     if name not in ("float32", T.dtype_name(x)) or name not in T.FLOAT_DTYPES:
         raise ValueError(f"state_dtype: expected None, float32 or x's dtype ({T.dtype_name(x)}), got {state_dtype!r}")
     return name
