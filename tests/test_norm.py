@@ -294,7 +294,8 @@ def test_flash_attn_extras_route_around_the_kernels():
                    dict(weight1=randn((8,)))):
         with pytest.raises(BackendUnavailableError, match="reference backend only"):
             rms_norm_fn(x, w, None, backend="triton", **kwargs)
-        rms_norm_fn(x, w, None, backend="auto", **kwargs)
+        auto, ref = (rms_norm_fn(x, w, None, backend=backend, seed=3, **kwargs) for backend in ("auto", "reference"))
+        np.testing.assert_array_equal(np.stack(auto), np.stack(ref))
     y = layer_norm_fn(x, w, None, dropout_p=0.5, seed=7)
     np.testing.assert_array_equal(y.numpy(), layer_norm_fn(x, w, None, dropout_p=0.5, seed=7).numpy())
     paddle.seed(11)

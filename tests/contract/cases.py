@@ -20,7 +20,7 @@ from paddlenlp_fused.reference import mamba as mamba_ref
 from paddlenlp_fused.reference import ssd as ssd_ref
 from paddlenlp_fused.reference.fused_dense import activation_ref
 from paddlenlp_fused.reference.gated_activation import gated_activation_ref
-from paddlenlp_fused.reference.norm import rmsnorm_gated_ref
+from paddlenlp_fused.reference.norm import dropout_mask, rmsnorm_gated_ref
 
 
 @dataclass
@@ -141,6 +141,36 @@ NORMS = [
           empty=lambda: dict(x=randn(0, 16), weight=randn(16), z=randn(0, 16)),
           bad=(Bad("z shape", with_(z=randn(4, 8)), ValueError, "z"),
                Bad("group_size", with_(), ValueError, "group_size", dict(group_size=5))),
+          low_precision=("x", "z")),
+    Entry("layer_norm_fn(x1, weight1, bias1, residual, prenorm)",
+          lambda: dict(x=randn(2, 3, 16), x1=randn(2, 3, 16), residual=randn(2, 3, 16), weight=randn(16),
+                       bias=randn(16), weight1=randn(16), bias1=randn(16)),
+          lambda backend, x, x1, residual, weight, bias, weight1, bias1: pf.layer_norm_fn(
+              x, weight, bias, residual, x1, weight1, bias1, prenorm=True, backend=backend),
+          lambda x, x1, residual, weight, bias, weight1, bias1: (
+              F.layer_norm(x + x1 + residual, 16, weight=weight, bias=bias, epsilon=1e-5),
+              F.layer_norm(x + x1 + residual, 16, weight=weight1, bias=bias1, epsilon=1e-5), x + x1 + residual),
+          backends=("reference",),  # the kernels have no x1 / weight1 yet: auto routes to the reference
+          bad=(Bad("x1 shape", with_(x1=randn(2, 3, 8)), ValueError, "x1"),
+               Bad("bias1 shape", with_(bias1=randn(8)), ValueError, "bias1")),
+          low_precision=("x", "x1", "residual")),
+    Entry("rms_norm_fn(rowscale, dropout_p, seed, residual)",
+          lambda: dict(x=randn(5, 16), weight=randn(16), rowscale=randn(5), residual=randn(5, 16)),
+          lambda backend, x, weight, rowscale, residual: pf.rms_norm_fn(
+              x, weight, None, residual, dropout_p=0.25, rowscale=rowscale, seed=5, backend=backend),
+          lambda x, weight, rowscale, residual: _rms(
+              x * rowscale.unsqueeze(-1) * dropout_mask(x.shape, 0.25, 5).astype(x.dtype) / 0.75 + residual, weight),
+          backends=("reference",),  # the kernels have no dropout / rowscale yet: auto routes to the reference
+          bad=(Bad("rowscale shape", with_(rowscale=randn(16)), ValueError, "rowscale"),),
+          low_precision=("x", "residual")),
+    Entry("rmsnorm_gated_fn(bias, is_rms_norm=False, group_size)",
+          lambda: dict(x=randn(4, 16), weight=randn(16), bias=randn(16), z=randn(4, 16)),
+          lambda backend, x, weight, bias, z: pf.rmsnorm_gated_fn(x, weight, z, group_size=8, backend=backend,
+                                                                  bias=bias, is_rms_norm=False),
+          lambda x, weight, bias, z: (F.layer_norm(x.reshape([-1, 2, 8]), 8, epsilon=1e-6).reshape(x.shape) * weight
+                                      + bias) * F.silu(z),
+          empty=lambda: dict(x=randn(0, 16), weight=randn(16), bias=randn(16), z=randn(0, 16)),
+          bad=(Bad("bias shape", with_(bias=randn(8)), ValueError, "bias"),),
           low_precision=("x", "z")),
     Entry("FusedLayerNorm(residual)",
           lambda: dict(x=randn(3, 12), residual=randn(3, 12)),
