@@ -23,8 +23,8 @@ Signatures follow ``mamba_ssm`` as a superset (plus ``backend=``); the causal co
 Backends of the scan (``selective_scan_fn`` and the scan inside ``mamba_inner_fn``): ``cuda``
 (``csrc/selective_scan.cu``), ``triton`` (``kernels/triton/selective_scan.py``), both inside PyLayers
 with matmuls by Paddle, and ``reference`` (pure Paddle, float32). Complex A runs on the ``cuda`` and
-``reference`` backends (``auto`` takes CUDA for it on the GPU); asking Triton for it raises
-``BackendUnavailableError``.
+``reference`` backends (``auto`` takes CUDA for it on the GPU, the reference with a warning where the
+CUDA library is not built); asking Triton for it raises ``BackendUnavailableError``.
 """
 
 from __future__ import annotations
