@@ -7,6 +7,10 @@ to 4 only (the Triton kernels take any width). ``causal_conv1d_update`` mirrors 
 decoding step (one thread per channel). Channel-first rows (seqlen contiguous) take 16-byte
 vector accesses along seqlen; other strides, channel-last included, walk positions with 8-byte
 channel groups when dim is contiguous, element-wise otherwise.
+
+Not here, so the ops route to Triton for them: a negative ``seq_idx`` id is one more sequence id to
+these kernels (not causal-conv1d's padding), the backward always adds dweight/dbias with fp32
+atomics (no deterministic mode), and the decoding step has no ``conv_state_indices``.
 """
 
 from __future__ import annotations
