@@ -216,14 +216,18 @@ _EXTRAS = {  # flash-attn's options beyond residual/prenorm, one combination eac
 }
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("is_rms_norm", [False, True], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("extras", list(_EXTRAS))
-def test_flash_attn_extras_match_float64(extras, dtype, is_rms_norm):
+def test_flash_attn_extras_match_float64(extras, dtype, is_rms_norm, backend):
     """h = dropout(x * rowscale) + dropout(x1) + residual, y = norm(h) * w + b, y1 = norm(h) * w1 +
     b1, prenorm h: values and the gradients of every input (rowscale too) against float64 with the
-    returned keep-masks; the masks drop about dropout_p and are reproducible from the seed."""
+    returned keep-masks; the masks drop about dropout_p and are reproducible from the seed. (The
+    Triton kernels have no weight1: that case runs on the reference only.)"""
     opts = _EXTRAS[extras]
+    if backend == "triton" and opts.get("weight1"):
+        backend = "auto"  # routed to the reference
     shape, N, p = (4, 9, 37), 37, opts.get("dropout_p", 0.0)
     x = randn(shape, dtype, requires_grad=True)
     w, b = randn((N,), "float32", requires_grad=True), randn((N,), "float32", requires_grad=True)
@@ -237,7 +241,7 @@ def test_flash_attn_extras_match_float64(extras, dtype, is_rms_norm):
         rs.stop_gradient = False
     fn = rms_norm_fn if is_rms_norm else layer_norm_fn
     kwargs = dict(residual=res, x1=x1, weight1=w1, bias1=b1, eps=1e-5, dropout_p=p, rowscale=rs,
-                  prenorm=True, return_dropout_mask=True, seed=1234)
+                  prenorm=True, return_dropout_mask=True, seed=1234, backend=backend)
     outs = fn(x, w, b, **kwargs)
     *ys, h, m, m1 = outs
     assert len(ys) == (2 if w1 is not None else 1) and all(y.dtype == x.dtype for y in ys)
@@ -286,22 +290,30 @@ def test_flash_attn_extras_match_float64(extras, dtype, is_rms_norm):
         assert_close(f"{extras} d{name}", to64(g), r.numpy(), dtype)
 
 
-def test_flash_attn_extras_route_around_the_kernels():
-    """auto takes the reference for the options the kernels lack; an explicit kernel backend says why."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flash_attn_extras_routing_and_seeds(backend):
+    """weight1 runs on the reference only (auto takes it; the Triton backend says why); the
+    dropout mask is a function of the seed, or of paddle.seed without one; the gradient uses the
+    forward's mask."""
     from paddlenlp_fused.runtime.backend import BackendUnavailableError
     x, w = randn((3, 8)), randn((8,))
-    for kwargs in (dict(dropout_p=0.1), dict(rowscale=randn((3,))), dict(x1=randn((3, 8))),
-                   dict(weight1=randn((8,)))):
-        with pytest.raises(BackendUnavailableError, match="reference backend only"):
-            rms_norm_fn(x, w, None, backend="triton", **kwargs)
-        auto, ref = (rms_norm_fn(x, w, None, backend=backend, seed=3, **kwargs) for backend in ("auto", "reference"))
-        np.testing.assert_array_equal(np.stack(auto), np.stack(ref))
-    y = layer_norm_fn(x, w, None, dropout_p=0.5, seed=7)
-    np.testing.assert_array_equal(y.numpy(), layer_norm_fn(x, w, None, dropout_p=0.5, seed=7).numpy())
+    with pytest.raises(BackendUnavailableError, match="weight1: implemented on the reference backend only"):
+        rms_norm_fn(x, w, None, weight1=w, backend="triton")
+    auto, ref = (rms_norm_fn(x, w, None, weight1=w, backend=name) for name in ("auto", "reference"))
+    np.testing.assert_array_equal(np.stack(auto), np.stack(ref))
+    y = layer_norm_fn(x, w, None, dropout_p=0.5, seed=7, backend=backend)
+    np.testing.assert_array_equal(y.numpy(), layer_norm_fn(x, w, None, dropout_p=0.5, seed=7, backend=backend).numpy())
+    assert not np.array_equal(y.numpy(), layer_norm_fn(x, w, None, dropout_p=0.5, seed=8, backend=backend).numpy())
     paddle.seed(11)
-    first = layer_norm_fn(x, w, None, dropout_p=0.5, return_dropout_mask=True)[1].numpy()
+    first = layer_norm_fn(x, w, None, dropout_p=0.5, return_dropout_mask=True, backend=backend)[1].numpy()
     paddle.seed(11)
-    np.testing.assert_array_equal(first, layer_norm_fn(x, w, None, dropout_p=0.5, return_dropout_mask=True)[1].numpy())
+    again = layer_norm_fn(x, w, None, dropout_p=0.5, return_dropout_mask=True, backend=backend)[1].numpy()
+    np.testing.assert_array_equal(first, again)
+    # dropped elements get no gradient: the backward regenerates the forward's mask
+    xg = randn((64, 8), requires_grad=True)
+    y, mask, _ = layer_norm_fn(xg, w, None, dropout_p=0.5, seed=3, return_dropout_mask=True, backend=backend)
+    (dx,) = paddle.grad(y, [xg], paddle.ones_like(y))
+    assert np.all(dx.numpy()[~mask.numpy()] == 0) and np.any(dx.numpy()[mask.numpy()] != 0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -326,6 +338,46 @@ def test_out_dtype_and_any_weight_dtype(dtype, weight_dtype, out_dtype, backend)
     assert_close("out_dtype y", to64(y), y64.numpy(), loosest)
     for label, g, r in zip(("dx", "dweight", "dbias", "dresidual"), grads, ref):
         assert_close(f"out_dtype {label}", to64(g), r.numpy(), loosest)
+
+
+@pytest.mark.parametrize("case", ["rowscale+dropout+residual", "x1+dropout"])
+def test_triton_extras_chunked_and_slab_paths(case):
+    """The extras through the chunked forward and the column-slab backward (register blocks of 8
+    columns) equal the op's single-block kernels: the keep-mask is a function of the element, not
+    of the tiling; drowscale is summed over the slabs."""
+    M, N, p, seed = 5, 37, 0.3, 99
+    x, res, w, b, dy = randn((M, N)), randn((M, N)), randn((N,)), randn((N,)), randn((M, N))
+    x1 = randn((M, N)) if case.startswith("x1") else None
+    rs = None if x1 is not None else paddle.to_tensor(np.random.rand(M).astype(np.float32) + 0.5)
+    leaves = [t for t in (x, w, b, res, x1, rs) if t is not None]
+    for t in leaves:
+        t.stop_gradient = False
+    y_op, h_op, m_op, m1_op = layer_norm_fn(x, w, b, res, x1, rowscale=rs, dropout_p=p, seed=seed, prenorm=True,
+                                            return_dropout_mask=True, backend="triton")
+    want = paddle.grad([y_op], leaves, [dy])
+
+    nan = lambda *shape, dtype="float32": paddle.full(list(shape), float("nan"), dtype=dtype)  # noqa: E731
+    y, h, mean, rstd, dx, dw, db, dres = nan(M, N), nan(M, N), nan(M), nan(M), nan(M, N), nan(N), nan(N), nan(M, N)
+    mask, mask1 = paddle.full([M, N], 7, dtype="uint8"), None if x1 is None else paddle.full([M, N], 7, dtype="uint8")
+    triton_norm.norm_fwd(*triton_args(x, w, b, y, mean, rstd), **dict(zip(
+        ("residual", "residual_out", "x1", "rowscale", "dropout_mask", "dropout_mask1"),
+        triton_args(res, h, x1, rs, mask, mask1))), dropout_p=p, seed=seed, max_block=8)
+    np.testing.assert_array_equal(mask.numpy().astype(bool), m_op.numpy())
+    if x1 is not None:
+        np.testing.assert_array_equal(mask1.numpy().astype(bool), m1_op.numpy())
+    assert_close("chunked y", to64(y), to64(y_op), "float32")
+    assert_close("chunked h", to64(h), to64(h_op), "float32")
+    partials, rowstats = triton_norm.bwd_workspace_shapes(M, N, True, max_block=8)
+    dx1 = None if x1 is None else nan(M, N)
+    drs = None if rs is None else nan(*triton_norm.drowscale_shape(M, N, max_block=8))
+    assert drs is None or drs.shape[1] > 1  # the slab path
+    triton_norm.norm_bwd(*triton_args(h, w, mean, rstd, dy, dx, dw, nan(*partials)), **dict(zip(
+        ("dbias", "dresidual", "rowstats", "x", "dx1", "rowscale", "drowscale"),
+        triton_args(db, dres, nan(*rowstats), None if rs is None else x, dx1, rs, drs))),
+        dropout_p=p, seed=seed, max_block=8)
+    got = [dx, dw, db, dres] + ([dx1] if x1 is not None else []) + ([drs.sum(axis=-1)] if rs is not None else [])
+    for name, g, r in zip(("dx", "dweight", "dbias", "dresidual", "dx1/drowscale"), got, want):
+        assert_close(f"chunked {name}", to64(g), to64(r), "float32")
 
 
 def test_rms_norm_fn_takes_bias_third_as_flash_attn():

@@ -5,7 +5,9 @@
 float32 with ``residual_in_fp32``, else the residual's) and normalise h; ``prenorm=True`` also
 returns h, whose gradient flows back into x and residual. ``weight_offset`` scales by
 ``weight + weight_offset`` (Gemma's ``1 + w``). ``rmsnorm_gated_fn`` follows mamba_ssm's gated
-RMSNorm. Backends: ``cuda`` (csrc/norm.cu, not the gated norm), ``triton`` and ``reference``.
+RMSNorm. Backends: ``cuda`` (csrc/norm.cu, not the gated norm), ``triton`` and ``reference``;
+flash-attn's ``weight1`` runs on the reference only, ``x1`` / ``rowscale`` / dropout / ``out_dtype``
+not on CUDA (``auto`` routes around).
 """
 
 from __future__ import annotations
@@ -52,38 +54,61 @@ def _bwd_workspace(backend: str, M: int, N: int, dtype: str, has_bias: bool, gro
     return workspace
 
 
+class _Masks:
+    """Dropout's settings and, when asked, the keep-masks the forward writes (outside autograd)."""
+
+    def __init__(self, p: float, seed, store: bool):
+        self.p, self.seed, self.store, self.mask, self.mask1 = p, seed, store, None, None
+
+
 class NormFunction(PyLayer):
-    """LayerNorm / RMSNorm over the last axis with optional residual add, on one GPU backend."""
+    """LayerNorm / RMSNorm over the last axis with optional residual add, on one GPU backend;
+    on Triton also flash-attn's x1, rowscale and dropout."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, is_rms_norm, prenorm, residual_dtype, weight_offset, out_dtype,
-                backend):
+    def forward(ctx, x, weight, bias, residual, x1, rowscale, eps, is_rms_norm, prenorm, residual_dtype, weight_offset,
+                out_dtype, dropout, backend):
         N = x.shape[-1]
         x2d = contiguous(x).reshape([-1, N])
         weight, bias = contiguous(weight), contiguous(bias)
         M = x2d.shape[0]
         res2d = None if residual is None else contiguous(residual).reshape([M, N])
+        x12d = None if x1 is None else contiguous(x1).reshape([M, N])
+        rs1d = None if rowscale is None else contiguous(rowscale).reshape([M])
+        extras = x1 is not None or rowscale is not None or dropout.p > 0
         y = paddle.empty([M, N], dtype=out_dtype, device=x.place)
         res_out = None
-        if residual is not None or residual_dtype != x.dtype:
+        if residual is not None or residual_dtype != x.dtype or extras:
             res_out = paddle.empty([M, N], dtype=residual_dtype, device=x.place)
         mean = None if is_rms_norm else paddle.empty([M], dtype="float32", device=x.place)
         rstd = paddle.empty([M], dtype="float32", device=x.place)
-        _launch(backend, "norm_fwd", dict(x=x2d, weight=weight, bias=bias, y=y, mean=mean, rstd=rstd,
-                                          residual=res2d, residual_out=res_out),
-                eps=eps, is_rms_norm=is_rms_norm, weight_offset=weight_offset)
-        ctx.save_for_backward(x2d if res_out is None else res_out, weight, mean, rstd)
+        tensors = dict(x=x2d, weight=weight, bias=bias, y=y, mean=mean, rstd=rstd, residual=res2d, residual_out=res_out)
+        options = dict(eps=eps, is_rms_norm=is_rms_norm, weight_offset=weight_offset)
+        ctx.extras = {}
+        if extras:  # (only then: the CUDA launcher has no such arguments)
+            if dropout.store:
+                dropout.mask = paddle.empty([M, N], dtype="uint8", device=x.place)
+                dropout.mask1 = None if x1 is None else paddle.empty([M, N], dtype="uint8", device=x.place)
+            tensors.update(x1=x12d, rowscale=rs1d, dropout_mask=dropout.mask, dropout_mask1=dropout.mask1)
+            ctx.extras = dict(dropout_p=dropout.p, seed=dropout.seed)
+            options.update(ctx.extras)
+        _launch(backend, "norm_fwd", tensors, **options)
+        needs = needs_grad(x, weight, bias, residual, x1, rowscale)
+        ctx.save_for_backward(x2d if res_out is None else res_out, weight, mean, rstd, rs1d,
+                              x2d if rowscale is not None and needs[-1] else None)
         ctx.options = dict(is_rms_norm=is_rms_norm, weight_offset=weight_offset)
         ctx.backend, ctx.shape, ctx.has_bias, ctx.x_dtype = backend, x.shape, bias is not None, x.dtype
         ctx.returns_res_out = prenorm and res_out is not None
         ctx.residual_dtype = None if residual is None else residual.dtype
-        ctx.needs_grad = needs_grad(x, weight, bias, residual)
+        ctx.x1_dtype = None if x1 is None else x1.dtype
+        ctx.rowscale_dtype = None if rowscale is None else rowscale.dtype
+        ctx.needs_grad = needs
         y = y.reshape(x.shape)
         return (y, res_out.reshape(x.shape)) if ctx.returns_res_out else y
 
     @staticmethod
     def backward(ctx, dy, dres_out=None):
-        h, weight, mean, rstd = ctx.saved_tensor()
+        h, weight, mean, rstd, rowscale, x2d = ctx.saved_tensor()
         M, N = h.shape
         dy2d = contiguous(dy).reshape([M, N])
         dres_out2d = contiguous(dres_out).reshape([M, N]) if ctx.returns_res_out else None
@@ -91,19 +116,29 @@ class NormFunction(PyLayer):
         # the kernel writes the residual's gradient (dh, as dx) into its own tensor: Paddle adds the
         # gradients of an input's other consumers into the returned tensor in place, so x and the
         # residual must not share one
+        n_vec = 3 if ctx.has_bias else 2
         dres = None
-        if ctx.residual_dtype is not None and ctx.needs_grad[-1]:
+        if ctx.residual_dtype is not None and ctx.needs_grad[n_vec]:
             dres = paddle.empty([M, N], dtype=ctx.residual_dtype, device=dy.place)
         dweight = paddle.empty(weight.shape, dtype=weight.dtype, device=dy.place)
         dbias = paddle.empty(weight.shape, dtype=weight.dtype, device=dy.place) if ctx.has_bias else None
         workspace = _bwd_workspace(ctx.backend, M, N, T.dtype_name(dx), ctx.has_bias, place=dy.place)
-        _launch(ctx.backend, "norm_bwd", dict(h=h, weight=weight, mean=mean, rstd=rstd, dy=dy2d, dx=dx,
-                                              dweight=dweight, dbias=dbias, dresidual_out=dres_out2d, dresidual=dres,
-                                              **workspace), **ctx.options)
-        dx = dx.reshape(ctx.shape)
-        grads = [dx, dweight] + ([dbias] if ctx.has_bias else [])
+        tensors = dict(h=h, weight=weight, mean=mean, rstd=rstd, dy=dy2d, dx=dx, dweight=dweight, dbias=dbias,
+                       dresidual_out=dres_out2d, dresidual=dres, **workspace)
+        dx1 = None if ctx.x1_dtype is None else paddle.empty([M, N], dtype=ctx.x1_dtype, device=dy.place)
+        drs = None
+        if x2d is not None:  # rowscale's gradient, per row and column slab
+            drs = paddle.empty(list(triton_norm.drowscale_shape(M, N)), dtype="float32", device=dy.place)
+        if ctx.extras or rowscale is not None or dx1 is not None:
+            tensors.update(x=x2d, dx1=dx1, rowscale=rowscale, drowscale=drs)
+        _launch(ctx.backend, "norm_bwd", tensors, **ctx.options, **ctx.extras)
+        grads = [dx.reshape(ctx.shape), dweight] + ([dbias] if ctx.has_bias else [])
         if ctx.residual_dtype is not None:
             grads.append(None if dres is None else dres.reshape(ctx.shape))
+        if dx1 is not None:
+            grads.append(dx1.reshape(ctx.shape))
+        if ctx.rowscale_dtype is not None:
+            grads.append(None if drs is None else drs.sum(axis=-1).astype(ctx.rowscale_dtype).reshape(ctx.shape[:-1]))
         return grads_for(ctx, grads)
 
 
@@ -176,13 +211,18 @@ def _check_extras(x, N, x1, weight, weight1, bias1, dropout_p, rowscale, seed) -
     return float(dropout_p)
 
 
+def _draw_seed() -> int:
+    """A dropout seed from Paddle's generator (``paddle.seed`` reproduces it)."""
+    return int(paddle.randint(0, 2**31 - 1, [1], dtype="int64").cpu().item())
+
+
 def _dropout_masks(x, x1, dropout_p: float, seed):
     """Keep-masks of x and x1 from ``seed``, or from a seed drawn from Paddle's generator (so
     ``paddle.seed`` makes them reproducible); x1's from the next seed."""
     if dropout_p == 0.0:
         return None, None
     if seed is None:
-        seed = int(paddle.randint(0, 2**31 - 1, [1], dtype="int64").cpu().item())
+        seed = _draw_seed()
     mask = dropout_mask(x.shape, dropout_p, seed, x.place)
     return mask, None if x1 is None else dropout_mask(x1.shape, dropout_p, seed + 1, x.place)
 
@@ -198,6 +238,7 @@ def layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=N
     h = dropout(x * rowscale) + dropout(x1) + residual (each term optional; ``rowscale`` [...]
     scales x's rows, not with x1; dropout keeps an element with probability 1 - dropout_p and
     scales it by 1 / (1 - dropout_p), its mask drawn from ``seed``, else from Paddle's generator).
+    (Triton: Philox keep-masks of the seed, regenerated in the backward; reference: numpy's.)
     y = norm(h) * (weight + weight_offset) + bias in ``out_dtype`` (default x's dtype);
     ``zero_centered_weight=True`` is ``weight_offset=1.0``. Returns y; (y, y1) when ``weight1`` is
     given (y1 = norm(h) * (weight1 + weight_offset) + bias1); prenorm appends h (float32 with
@@ -216,8 +257,10 @@ def layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=N
     def unsupported(name):
         if name == "reference":
             return None
-        if extras:
-            return f"{', '.join(extras)}: implemented on the reference backend only"
+        if "weight1" in extras:
+            return "weight1: implemented on the reference backend only"
+        if name == "cuda" and extras:
+            return f"{', '.join(extras)}: not in the CUDA kernels"
         if name == "cuda" and out_dtype != T.dtype_name(x):
             return f"out_dtype {out_dtype} differs from x's dtype"
         if name == "cuda" and T.dtype_name(weight) not in ("float32", T.dtype_name(x)):
@@ -226,14 +269,26 @@ def layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=N
 
     chosen = resolve_backend(op, backend, device_of(x), implemented=("triton", "cuda", "reference"),
                              unsupported=unsupported, prefer=auto_order(N))
+    if chosen == "triton" and x.size:  # dropout's Philox keep-mask, written by the kernel when asked
+        if dropout_p > 0 and seed is None:
+            seed = _draw_seed()
+        dropout = _Masks(dropout_p, seed, return_dropout_mask and dropout_p > 0)
+        out = NormFunction.apply(x, weight, bias, residual, x1, rowscale, eps, is_rms_norm, prenorm, residual_dtype,
+                                 weight_offset, out_dtype, dropout, chosen)
+        masks = tuple(None if m is None else m.astype("bool").reshape(x.shape) for m in (dropout.mask, dropout.mask1))
+        if prenorm and residual is None and residual_dtype == x.dtype and not extras:
+            out = (out, x)  # h is x: its gradient reaches x through autograd
+        if return_dropout_mask:
+            out = (out if isinstance(out, tuple) else (out,)) + masks
+        return out
     masks = _dropout_masks(x, x1, dropout_p, seed)
     if chosen == "reference" or x.size == 0:  # (empty tensors: nothing to launch)
         out = layer_norm_ref(x, weight, bias, residual, eps, prenorm, residual_dtype, is_rms_norm, weight_offset,
                              x1=x1, weight1=weight1, bias1=bias1, rowscale=rowscale, dropout_p=dropout_p,
                              dropout_mask=masks[0], dropout_mask1=masks[1], out_dtype=out_dtype)
     else:
-        out = NormFunction.apply(x, weight, bias, residual, eps, is_rms_norm, prenorm, residual_dtype,
-                                 weight_offset, out_dtype, chosen)
+        out = NormFunction.apply(x, weight, bias, residual, None, None, eps, is_rms_norm, prenorm, residual_dtype,
+                                 weight_offset, out_dtype, _Masks(0.0, None, False), chosen)
         if prenorm and residual is None and residual_dtype == x.dtype:
             out = (out, x)  # h is x: its gradient reaches x through autograd
     if return_dropout_mask:

@@ -150,9 +150,17 @@ NORMS = [
           lambda x, x1, residual, weight, bias, weight1, bias1: (
               F.layer_norm(x + x1 + residual, 16, weight=weight, bias=bias, epsilon=1e-5),
               F.layer_norm(x + x1 + residual, 16, weight=weight1, bias=bias1, epsilon=1e-5), x + x1 + residual),
-          backends=("reference",),  # the kernels have no x1 / weight1 yet: auto routes to the reference
+          backends=("reference",),  # the kernels have no weight1: auto routes to the reference
           bad=(Bad("x1 shape", with_(x1=randn(2, 3, 8)), ValueError, "x1"),
                Bad("bias1 shape", with_(bias1=randn(8)), ValueError, "bias1")),
+          low_precision=("x", "x1", "residual")),
+    Entry("rms_norm_fn(x1, residual, prenorm)",
+          lambda: dict(x=randn(5, 16), x1=randn(5, 16), residual=randn(5, 16), weight=randn(16)),
+          lambda backend, x, x1, residual, weight: pf.rms_norm_fn(x, weight, None, residual, x1, prenorm=True,
+                                                                  backend=backend),
+          lambda x, x1, residual, weight: (_rms(x + x1 + residual, weight), x + x1 + residual),
+          empty=lambda: dict(x=randn(0, 16), x1=randn(0, 16), residual=randn(0, 16), weight=randn(16)),
+          bad=(Bad("x1 shape", with_(x1=randn(5, 8)), ValueError, "x1"),),
           low_precision=("x", "x1", "residual")),
     Entry("rms_norm_fn(rowscale, dropout_p, seed, residual)",
           lambda: dict(x=randn(5, 16), weight=randn(16), rowscale=randn(5), residual=randn(5, 16)),
@@ -160,7 +168,7 @@ NORMS = [
               x, weight, None, residual, dropout_p=0.25, rowscale=rowscale, seed=5, backend=backend),
           lambda x, weight, rowscale, residual: _rms(
               x * rowscale.unsqueeze(-1) * dropout_mask(x.shape, 0.25, 5).astype(x.dtype) / 0.75 + residual, weight),
-          backends=("reference",),  # the kernels have no dropout / rowscale yet: auto routes to the reference
+          backends=("reference",),  # (plain draws the reference's mask; Triton's is Philox, tested in test_norm)
           bad=(Bad("rowscale shape", with_(rowscale=randn(16)), ValueError, "rowscale"),),
           low_precision=("x", "residual")),
     Entry("rmsnorm_gated_fn(bias, is_rms_norm=False, group_size)",

@@ -117,12 +117,44 @@ def _silu_and_grad(z):
 
 
 @triton.jit
+def _dropout(t, keep, dropout_p):
+    """Inverted dropout: kept values scaled by 1 / (1 - dropout_p)."""
+    return tl.where(keep, t / (1.0 - dropout_p), 0.0)
+
+
+@triton.jit
+def _keep(seed, rows64, G, cols, dropout_p):
+    """Dropout's keep-mask of a tile: Philox from the seed at element row * G + col, the same in
+    the forward and the backward."""
+    return tl.rand(seed, rows64 * G + cols) >= dropout_p
+
+
+@triton.jit
 def _fwd_load_h(x_ptr, res_ptr, z_ptr, res_out_ptr, rows64, col_base, cols, mask,
                 stride_x, stride_res, stride_z, stride_res_out,
+                x1_ptr, rs_ptr, mask_ptr, mask1_ptr, seed, dropout_p, stride_x1, stride_mask, G,
                 HAS_RES: tl.constexpr, STORE_RES_OUT: tl.constexpr, HAS_Z: tl.constexpr,
-                NORM_BEFORE_GATE: tl.constexpr, WRITE_RES_OUT: tl.constexpr):
-    """h of a [ROWS, BLOCK_N] tile in fp32; stores residual_out when asked (first sweep only)."""
+                NORM_BEFORE_GATE: tl.constexpr, WRITE_RES_OUT: tl.constexpr,
+                HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                STORE_MASK: tl.constexpr):
+    """h of a [ROWS, BLOCK_N] tile in fp32; stores residual_out (and the keep-masks) when asked
+    (first sweep only). flash-attn's extras: h = dropout(x * rowscale) + dropout(x1) + residual."""
     h = tl.load(x_ptr + rows64 * stride_x + col_base + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ROWSCALE:
+        h *= tl.load(rs_ptr + rows64 + 0 * cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DROPOUT:
+        keep = _keep(seed, rows64, G, cols, dropout_p)
+        if STORE_MASK and WRITE_RES_OUT:
+            tl.store(mask_ptr + rows64 * stride_mask + cols, keep.to(mask_ptr.dtype.element_ty), mask=mask)
+        h = _dropout(h, keep, dropout_p)
+    if HAS_X1:
+        x1 = tl.load(x1_ptr + rows64 * stride_x1 + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DROPOUT:
+            keep1 = _keep(seed + 1, rows64, G, cols, dropout_p)
+            if STORE_MASK and WRITE_RES_OUT:
+                tl.store(mask1_ptr + rows64 * stride_mask + cols, keep1.to(mask1_ptr.dtype.element_ty), mask=mask)
+            x1 = _dropout(x1, keep1, dropout_p)
+        h += x1
     if HAS_RES:
         h += tl.load(res_ptr + rows64 * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
     if STORE_RES_OUT:
@@ -154,14 +186,17 @@ def _fwd_store_y(h, mean, rstd, w_ptr, b_ptr, z_ptr, y_ptr, rows64, col_base, co
     tl.store(y_ptr + rows64 * stride_y + col_base + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _norm_fwd_kernel(x_ptr, res_ptr, z_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, mean_ptr, rstd_ptr,
                      M, G, NGROUPS, stride_x, stride_res, stride_z, stride_y, stride_res_out,
-                     eps, weight_offset,
+                     eps, weight_offset, x1_ptr, rs_ptr, mask_ptr, mask1_ptr, seed, dropout_p, stride_x1, stride_mask,
                      IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, STORE_RES_OUT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr):
-    """Grid (cdiv(M, ROWS), NGROUPS): one [ROWS, G] slice of rows and one group per program."""
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+                     HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                     STORE_MASK: tl.constexpr):
+    """Grid (cdiv(M, ROWS), NGROUPS): one [ROWS, G] slice of rows and one group per program. The
+    extras' arguments (x1 ... stride_mask) are None when their flag is off."""
     g = tl.program_id(1)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
@@ -173,7 +208,9 @@ def _norm_fwd_kernel(x_ptr, res_ptr, z_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, me
         mask = row_mask[:, None] & col_mask
         h = _fwd_load_h(x_ptr, res_ptr, z_ptr, res_out_ptr, rows64, col_base, offs, mask,
                         stride_x, stride_res, stride_z, stride_res_out,
-                        HAS_RES, STORE_RES_OUT, HAS_Z, NORM_BEFORE_GATE, True)
+                        x1_ptr, rs_ptr, mask_ptr, mask1_ptr, seed, dropout_p, stride_x1, stride_mask, G,
+                        HAS_RES, STORE_RES_OUT, HAS_Z, NORM_BEFORE_GATE, True,
+                        HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, STORE_MASK)
         if IS_RMS:
             mean = tl.zeros([ROWS], dtype=tl.float32)
             var = tl.sum(h * h, axis=1) / G
@@ -192,7 +229,9 @@ def _norm_fwd_kernel(x_ptr, res_ptr, z_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, me
             mask = row_mask[:, None] & (cols < G)
             h = _fwd_load_h(x_ptr, res_ptr, z_ptr, res_out_ptr, rows64, col_base, cols, mask,
                             stride_x, stride_res, stride_z, stride_res_out,
-                            HAS_RES, STORE_RES_OUT, HAS_Z, NORM_BEFORE_GATE, True)
+                            x1_ptr, rs_ptr, mask_ptr, mask1_ptr, seed, dropout_p, stride_x1, stride_mask, G,
+                            HAS_RES, STORE_RES_OUT, HAS_Z, NORM_BEFORE_GATE, True,
+                            HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, STORE_MASK)
             if IS_RMS:
                 acc += tl.sum(h * h, axis=1)
             else:
@@ -210,7 +249,9 @@ def _norm_fwd_kernel(x_ptr, res_ptr, z_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, me
                 mask = row_mask[:, None] & (cols < G)
                 h = _fwd_load_h(x_ptr, res_ptr, z_ptr, res_out_ptr, rows64, col_base, cols, mask,
                                 stride_x, stride_res, stride_z, stride_res_out,
-                                HAS_RES, STORE_RES_OUT, HAS_Z, NORM_BEFORE_GATE, False)
+                                x1_ptr, rs_ptr, mask_ptr, mask1_ptr, seed, dropout_p, stride_x1, stride_mask, G,
+                                HAS_RES, STORE_RES_OUT, HAS_Z, NORM_BEFORE_GATE, False,
+                                HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, STORE_MASK)
                 centred = tl.where(mask, h - mean[:, None], 0.0)
                 acc += tl.sum(centred * centred, axis=1)
                 start += BLOCK_N
@@ -223,7 +264,9 @@ def _norm_fwd_kernel(x_ptr, res_ptr, z_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, me
             mask = row_mask[:, None] & col_mask
             h = _fwd_load_h(x_ptr, res_ptr, z_ptr, res_out_ptr, rows64, col_base, cols, mask,
                             stride_x, stride_res, stride_z, stride_res_out,
-                            HAS_RES, STORE_RES_OUT, HAS_Z, NORM_BEFORE_GATE, False)
+                            x1_ptr, rs_ptr, mask_ptr, mask1_ptr, seed, dropout_p, stride_x1, stride_mask, G,
+                            HAS_RES, STORE_RES_OUT, HAS_Z, NORM_BEFORE_GATE, False,
+                            HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, STORE_MASK)
             _fwd_store_y(h, mean, rstd, w_ptr, b_ptr, z_ptr, y_ptr, rows64, col_base, cols, mask, col_mask,
                          stride_z, stride_y, weight_offset, HAS_BIAS, HAS_Z, NORM_BEFORE_GATE)
             start += BLOCK_N
@@ -296,22 +339,27 @@ def _norm_bwd_rowstats_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, r
     tl.store(rowstats_ptr + stat * 2 + 1, c2 / G)
 
 
-@triton.jit(do_not_specialize=["NUM_PARTIALS"])  # one compiled kernel whatever the grid size
+@triton.jit(do_not_specialize=["NUM_PARTIALS", "seed"])  # one compiled kernel whatever the grid size
 def _norm_bwd_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dres_out_ptr, rowstats_ptr,
                      dx_ptr, dres_ptr, dz_ptr, partials_ptr, dw_ptr, db_ptr, counters_ptr,
                      M, G, NGROUPS, NUM_PARTIALS, stride_partials, stride_h, stride_z, stride_dy, stride_dres_out,
                      stride_dx, stride_dres, stride_dz, weight_offset,
+                     x_ptr, dx1_ptr, rs_ptr, drs_ptr, seed, dropout_p, stride_x, stride_dx1,
                      IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES_OUT: tl.constexpr,
                      HAS_DRES: tl.constexpr, HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
                      STATS_GIVEN: tl.constexpr, NUM_SLABS: tl.constexpr,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
                      RELOAD_WEIGHT: tl.constexpr, FUSE_SUM: tl.constexpr,
-                     SUM_BLOCK_P: tl.constexpr, SUM_BLOCK_N: tl.constexpr):
+                     SUM_BLOCK_P: tl.constexpr, SUM_BLOCK_N: tl.constexpr,
+                     HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                     HAS_DRS: tl.constexpr):
     """Grid (NUM_PARTIALS, NGROUPS * NUM_SLABS): program (p, q) walks the row tiles p, p + P, ... of
     group q // NUM_SLABS, columns [slab * BLOCK_N, (slab + 1) * BLOCK_N) of it, and writes row p of
     the partial sums of dweight (and dbias, ``stride_partials`` further on) for those columns.
     FUSE_SUM (one group, one slab, a cooperative launch): then all programs meet at a grid barrier
-    and sum the partial rows into dw / db themselves, SUM_BLOCK_N columns at a time."""
+    and sum the partial rows into dw / db themselves, SUM_BLOCK_N columns at a time. flash-attn's
+    extras (x_ptr ... stride_dx1, None when their flags are off): dx1 = dropout(dh), dx =
+    dropout(dh) * rowscale, drowscale's partial sum of this slab (x . dropout(dh)) at [row, slab]."""
     pid = tl.program_id(0)
     g = tl.program_id(1) // NUM_SLABS
     slab = tl.program_id(1) % NUM_SLABS
@@ -360,6 +408,18 @@ def _norm_bwd_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dres_out_p
                 dz = dh * x * dsilu_z
                 dx = dh * silu_z
             tl.store(dz_ptr + rows64 * stride_dz + col_base + cols, dz.to(dz_ptr.dtype.element_ty), mask=mask)
+        if HAS_X1:
+            dx1 = dh
+            if HAS_DROPOUT:
+                dx1 = _dropout(dh, _keep(seed + 1, rows64, G, cols, dropout_p), dropout_p)
+            tl.store(dx1_ptr + rows64 * stride_dx1 + cols, dx1.to(dx1_ptr.dtype.element_ty), mask=mask)
+        if HAS_DROPOUT:
+            dx = _dropout(dh, _keep(seed, rows64, G, cols, dropout_p), dropout_p)
+        if HAS_DRS:
+            x_in = tl.load(x_ptr + rows64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(drs_ptr + rows.to(tl.int64) * NUM_SLABS + slab, tl.sum(dx * x_in, axis=1), mask=row_mask)
+        if HAS_ROWSCALE:
+            dx = dx * tl.load(rs_ptr + rows64 + 0 * cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + rows64 * stride_dx + col_base + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_DRES:
             tl.store(dres_ptr + rows64 * stride_dres + cols, dh.to(dres_ptr.dtype.element_ty), mask=mask)
@@ -672,35 +732,79 @@ def _matrix_shape(name: str, t) -> tuple:
     return shape
 
 
+def _check_extras(M: int, N: int, ngroups: int, z, x1, rowscale, dropout_p: float, seed, masks) -> None:
+    """flash-attn's extras (x1, rowscale, dropout): ungrouped, ungated norms only; a seed with dropout."""
+    if (x1 is not None or rowscale is not None or dropout_p) and (ngroups != 1 or z is not None):
+        raise ValueError("x1, rowscale, dropout_p: not supported together with z or group_size < N")
+    _check_vector("rowscale", rowscale, M)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: expected a number in [0, 1), got {dropout_p}")
+    if dropout_p and seed is None:
+        raise ValueError("seed: dropout needs the seed of its keep-mask")
+    if any(m is not None for m in masks) and not dropout_p:
+        raise ValueError("dropout_mask: given without dropout_p > 0")
+
+
 def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None, z=None, eps: float = 1e-5,
              is_rms_norm: bool = False, weight_offset: float = 0.0, group_size=None,
-             norm_before_gate: bool = True, max_block: int = FWD_MAX_BLOCK, tuning: FwdTuning = FwdTuning()) -> None:
+             norm_before_gate: bool = True, x1=None, rowscale=None, dropout_p: float = 0.0, seed=None,
+             dropout_mask=None, dropout_mask1=None, max_block: int = FWD_MAX_BLOCK,
+             tuning: FwdTuning = FwdTuning()) -> None:
     """y = norm(x (+ residual)) (gated by z); writes y, residual_out (if given), mean (LayerNorm) and
     rstd. ``residual`` / ``residual_out`` are for ungrouped norms; ``z`` / ``group_size`` for the
-    gated RMSNorm. ``max_block`` caps the register tile (tests use it to reach the chunked path);
-    ``tuning`` overrides the table's tile (benchmarks and variant tests)."""
+    gated RMSNorm. flash-attn's extras (ungrouped, ungated; residual_out needed): h =
+    dropout(x * rowscale [M]) + dropout(x1) + residual, dropout's keep-mask Philox from ``seed``
+    (x1's from seed + 1), written (as 0/1) to ``dropout_mask`` / ``dropout_mask1`` when given.
+    ``max_block`` caps the register tile (tests use it to reach the chunked path); ``tuning``
+    overrides the table's tile (benchmarks and variant tests)."""
     M, N = _matrix_shape("x", x)
     G, ngroups = _groups(N, group_size)
     if (residual is not None or residual_out is not None) and ngroups != 1:
         raise ValueError("residual: not supported together with group_size < N")
+    dropout_p = float(dropout_p)
+    _check_extras(M, N, ngroups, z, x1, rowscale, dropout_p, seed, (dropout_mask, dropout_mask1))
+    if (x1 is not None or rowscale is not None or dropout_p) and residual_out is None:
+        raise ValueError("residual_out: x1, rowscale and dropout need the stream h stored for the backward")
+    if (dropout_mask1 is not None) != (dropout_mask is not None and x1 is not None):
+        raise ValueError("dropout_mask1: give it with dropout_mask exactly when x1 is given")
     strides = [T.row_stride(name, t, M, N) for name, t in (("x", x), ("residual", residual), ("z", z), ("y", y),
                                                           ("residual_out", residual_out))]
+    stride_x1 = None if x1 is None else T.row_stride("x1", x1, M, N)
+    stride_mask = None
+    for name, t in (("dropout_mask", dropout_mask), ("dropout_mask1", dropout_mask1)):
+        if t is not None:
+            stride = T.row_stride(name, t, M, N)
+            if stride_mask is not None and stride != stride_mask:
+                raise ValueError("dropout_mask1: expected dropout_mask's row stride")
+            stride_mask = stride
     for name, t in (("weight", weight), ("bias", bias)):
         _check_vector(name, t, N)
     _check_stats(mean, rstd, M * ngroups, is_rms_norm)
     if M == 0 or N == 0:
         return
     rows, block_n, num_warps = _fwd_config(G, max_block, tuning.rows, tuning.num_warps)
+    store_mask = dropout_mask is not None
     _launch_fwd((triton.cdiv(M, rows), ngroups),
                 (x, residual, z, weight, bias, y, residual_out, None if is_rms_norm else mean, rstd,
-                 M, G, ngroups, *strides, float(eps), float(weight_offset)),
+                 M, G, ngroups, *strides, float(eps), float(weight_offset),
+                 # the extras' arguments: None when unused, so the default kernels stay as they were
+                 x1, rowscale, dropout_mask, dropout_mask1, int(seed) if dropout_p else None,
+                 dropout_p if dropout_p else None, stride_x1, stride_mask),
                 (is_rms_norm, residual is not None, residual_out is not None, bias is not None, z is not None,
-                 norm_before_gate, rows, block_n, block_n >= G), (("num_warps", num_warps),))
+                 norm_before_gate, rows, block_n, block_n >= G,
+                 x1 is not None, rowscale is not None, dropout_p > 0, store_mask), (("num_warps", num_warps),))
+
+
+def drowscale_shape(M: int, N: int, max_block: int = BWD_MAX_BLOCK, tuning: BwdTuning = BwdTuning()) -> tuple:
+    """Shape of ``norm_bwd``'s fp32 ``drowscale`` output: per row, one partial sum per column slab
+    (the caller sums the last axis)."""
+    return M, _bwd_config(N, max_block, tuning.rows, tuning.num_warps)[2]
 
 
 def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dresidual_out=None,
              dresidual=None, z=None, dz=None, rowstats=None, counters=None, is_rms_norm: bool = False,
-             weight_offset: float = 0.0, group_size=None, norm_before_gate: bool = True,
+             weight_offset: float = 0.0, group_size=None, norm_before_gate: bool = True, x=None, dx1=None,
+             rowscale=None, drowscale=None, dropout_p: float = 0.0, seed=None,
              max_block: int = BWD_MAX_BLOCK, tuning: BwdTuning = BwdTuning()) -> None:
     """Gradients of ``norm_fwd``. ``h`` is what the forward normalised before gating: residual_out
     when it stored one, else x. Writes dx (= dh, plus dresidual_out), dresidual (dh in the
@@ -708,10 +812,21 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dr
     ``rowstats`` are workspaces shaped by ``bwd_workspace_shapes``. ``counters``: an int32
     [COUNTERS] workspace of zeros (left zeroed); given, a backward of one column slab and one group
     sums dweight/dbias in its own (cooperative) launch instead of a second kernel's, when the
-    cooperative grid fits on the GPU (else the two kernels run). ``max_block`` as there;
-    ``tuning`` overrides the table's tile and loop (pass the same to ``bwd_workspace_shapes``)."""
+    cooperative grid fits on the GPU (else the two kernels run). flash-attn's extras, as passed to
+    ``norm_fwd``: ``dx1`` (x1's gradient, given exactly when the forward had x1), ``rowscale``,
+    ``dropout_p`` / ``seed``; ``drowscale`` (``drowscale_shape``, fp32) with ``x`` (the forward's x):
+    rowscale's gradient in partial sums. ``max_block`` as there; ``tuning`` overrides the table's
+    tile and loop (pass the same to ``bwd_workspace_shapes``)."""
     M, N = _matrix_shape("h", h)
     G, ngroups = _groups(N, group_size)
+    dropout_p = float(dropout_p)
+    _check_extras(M, N, ngroups, z, dx1, rowscale, dropout_p, seed, ())
+    if (drowscale is None) != (x is None) or (drowscale is not None and rowscale is None):
+        raise ValueError("drowscale: give it with x (the forward's input), and with rowscale")
+    if drowscale is not None:
+        T.check_same_shape("drowscale", drowscale, drowscale_shape(M, N, max_block, tuning))
+        T.check_contiguous("drowscale", drowscale)
+    stride_x, stride_dx1 = (None if t is None else T.row_stride(name, t, M, N) for name, t in (("x", x), ("dx1", dx1)))
     stride_h, stride_z, stride_dy, stride_dres_out, stride_dx, stride_dres, stride_dz = (
         T.row_stride(name, t, M, N) for name, t in (("h", h), ("z", z), ("dy", dy), ("dresidual_out", dresidual_out),
                                                    ("dx", dx), ("dresidual", dresidual), ("dz", dz)))
@@ -724,7 +839,7 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dr
     num_stages, reload_weight = tuning.num_stages or _bwd_stages(rows * block_n), tuning.reload_weight
     # each pipeline stage buffers one tile of every row tensor loaded in the loop: keep the
     # buffers within shared memory (sm_80: 163 KiB; 128 KiB leaves room for the reductions)
-    stage_bytes = rows * block_n * sum(_itemsize(t) for t in (h, dy, z, dresidual_out) if t is not None)
+    stage_bytes = rows * block_n * sum(_itemsize(t) for t in (h, dy, z, dresidual_out, x) if t is not None)
     num_stages = max(1, min(num_stages, 1 + _STAGE_BUFFER_BYTES // stage_bytes))
     n_sums, partials_shape = 2 if dbias is not None else 1, T.shape(partials)
     num_partials = partials_shape[1] if len(partials_shape) == 3 else 0
@@ -749,7 +864,10 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dr
                               stride_h, stride_z, stride_dy, float(weight_offset)),
                              (is_rms_norm, z is not None, norm_before_gate, block_n), (("num_warps", _warps(block_n)),))
         scalars = (num_partials * N, stride_h, stride_z, stride_dy, stride_dres_out, stride_dx, stride_dres, stride_dz,
-                   float(weight_offset))
+                   float(weight_offset),
+                   # the extras' arguments: None when unused, so the default kernels stay as they were
+                   x, dx1, rowscale, drowscale, int(seed) if dropout_p else None, dropout_p if dropout_p else None,
+                   stride_x, stride_dx1)
 
         def launch_args(fuse, programs):
             tensors = (h, z, weight, None if is_rms_norm else mean, rstd, dy, dresidual_out,
@@ -757,7 +875,8 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dr
                       ((dweight, dbias, counters) if fuse else (None, None, None))
             constexprs = (is_rms_norm, dbias is not None, dresidual_out is not None, dresidual is not None,
                           z is not None, norm_before_gate, slabs > 1, slabs, rows, block_n, num_stages, reload_weight,
-                          fuse, _FUSED_SUM_BLOCK_P, _FUSED_SUM_BLOCK_N)
+                          fuse, _FUSED_SUM_BLOCK_P, _FUSED_SUM_BLOCK_N,
+                          dx1 is not None, rowscale is not None, dropout_p > 0, drowscale is not None)
             options = (("num_warps", num_warps),) + ((("launch_cooperative_grid", True),) if fuse else ())
             return tensors + (M, G, ngroups, programs) + scalars, constexprs, options
 
@@ -789,7 +908,8 @@ def compile_cases():
     an fp32 residual stream and prenorm at the canonical width, and with the fused partial sums;
     RMSNorm at 65536 (chunked forward, backward in slabs); the gated RMSNorm with groups and the
     gate first; the gated LayerNorm with bias, gate last (dz in fp32, as ops.norm passes it); y in
-    another dtype than x (out_dtype) with a weight in a third."""
+    another dtype than x (out_dtype) with a weight in a third; flash-attn's extras (rowscale with
+    dropout and its stored mask, x1 with dropout) at the canonical width and at 65536 (slabs)."""
     f32 = "float32"
     for dtype in T.FLOAT_DTYPES:
         M, N = 16384, 4096
@@ -845,3 +965,23 @@ def compile_cases():
         yield f"layer_norm_bwd[{dtype},N={N},dy {other},weight {w_dtype}]", \
             lambda x=x, y=y, w=w, s=stat, p=partials: \
             norm_bwd(x, w, s, s, y, x, w, T.SpecTensor(p, f32), dbias=w, counters=T.SpecTensor((COUNTERS,), "int32"))
+
+        for M, N in ((16384, 4096), (64, 65536)):
+            x, h, stat = T.SpecTensor((M, N), dtype), T.SpecTensor((M, N), f32), T.SpecTensor((M,), f32)
+            w, rs, mask = T.SpecTensor((N,), f32), T.SpecTensor((M,), dtype), T.SpecTensor((M, N), "uint8")
+            partials, rowstats = bwd_workspace_shapes(M, N, True)
+            rowstats = None if rowstats is None else T.SpecTensor(rowstats, f32)
+            drs = T.SpecTensor(drowscale_shape(M, N), f32)
+            yield f"layer_norm_fwd[{dtype},N={N},rowscale,dropout,mask]", \
+                lambda x=x, h=h, w=w, s=stat, rs=rs, m=mask: norm_fwd(
+                    x, w, w, x, s, s, residual=x, residual_out=h, rowscale=rs, dropout_p=0.1, seed=1, dropout_mask=m)
+            yield f"layer_norm_bwd[{dtype},N={N},rowscale,dropout]", \
+                lambda x=x, h=h, w=w, s=stat, rs=rs, p=partials, r=rowstats, d=drs: norm_bwd(
+                    h, w, s, s, x, x, w, T.SpecTensor(p, f32), dbias=w, dresidual=x, rowstats=r, x=x, rowscale=rs,
+                    drowscale=d, dropout_p=0.1, seed=1, counters=T.SpecTensor((COUNTERS,), "int32"))
+            yield f"rms_norm_fwd[{dtype},N={N},x1,dropout]", lambda x=x, h=h, w=w, s=stat: norm_fwd(
+                x, w, None, x, None, s, residual_out=h, x1=x, dropout_p=0.1, seed=1, is_rms_norm=True)
+            yield f"rms_norm_bwd[{dtype},N={N},x1,dropout]", \
+                lambda x=x, h=h, w=w, s=stat, p=partials, r=rowstats: norm_bwd(
+                    h, w, None, s, x, x, w, T.SpecTensor((1,) + tuple(p[1:]), f32), rowstats=r, dx1=x,
+                    dropout_p=0.1, seed=1, is_rms_norm=True, counters=T.SpecTensor((COUNTERS,), "int32"))
