@@ -294,6 +294,59 @@ def test_reference_stochastic_round_edges():
     assert np.isfinite(out[6]) and out[7] <= 0
 
 
+
+def _stochastic_round64(x, dtype, r16):
+    """The reference's stochastic rounding from its definition, in float64: the representable
+    neighbours lo (nearer zero) and hi of float32 ``x``; hi when r16 / 2^16 * |hi - lo| < |x - lo|."""
+    if dtype == "bfloat16":
+        lo = (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+        hi = (lo.view(np.uint32) + np.uint32(0x10000)).view(np.float32)
+    else:
+        with np.errstate(over="ignore"):
+            nearest = x.astype(np.float16)
+            lo = np.where(np.abs(nearest.astype(np.float32)) > np.abs(x), np.nextafter(nearest, np.float16(0)), nearest)
+            hi = np.nextafter(lo, np.where(x < 0, np.float16(-np.inf), np.float16(np.inf)))
+    lo, hi, x64 = lo.astype(np.float64), hi.astype(np.float64), x.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        return np.where(r16 / 65536.0 * np.abs(hi - lo) < np.abs(x64 - lo), hi, lo)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_reference_stochastic_round_matches_its_definition(dtype):
+    """Random float32 values over the 16-bit range plus the edges (largest finite, between it and
+    inf, inf, subnormal, zero, values already representable) with random bits: equal to the
+    float64 definition (bfloat16 is computed on the bit patterns, float16 in float32)."""
+    rng = np.random.default_rng(11)
+    top = 3.3e38 if dtype == "bfloat16" else 65000.0
+    edges = [np.finfo(np.float32).max, 3.39e38, 3.3895e38, 65504.0, 65519.0, 65520.0, 1e-40, 6e-8, 3e-8, 1.0,
+             0.0, np.inf]
+    x = np.concatenate([rng.uniform(-1, 1, 20000) * np.exp(rng.uniform(np.log(1e-9), np.log(top), 20000)),
+                        edges, np.negative(edges)]).astype(np.float32)
+    for r in (rng.integers(0, 1 << 16, x.size), np.zeros(x.size, np.int64), np.full(x.size, 65535)):
+        got = stochastic_round(paddle.to_tensor(x), dtype, paddle.to_tensor(r.astype(np.int32)))
+        want = _stochastic_round64(x, dtype, r)
+        np.testing.assert_array_equal(got.astype("float32").numpy().astype(np.float64), want)
+    nan = stochastic_round(paddle.to_tensor(np.full([4], np.nan, np.float32)), dtype, paddle.zeros([4], "int32"))
+    assert np.isnan(nan.astype("float32").numpy()).all()
+
+
+def test_reference_random_bits_continue_across_blocks():
+    """bf16 moments rounded stochastically on a tensor of several of the reference's blocks: the
+    random values are numpy Philox's ``integers(0, 2^16)`` keyed by random_key + (output,), in
+    element order, so the stored moments equal the definition applied to those draws."""
+    n = 100003
+    g32 = (np.random.default_rng(5).standard_normal(n) * 0.3).astype(np.float32)
+    tensors = (paddle.ones([n]), paddle.to_tensor(g32), paddle.zeros([n], "bfloat16"),
+               paddle.zeros([n], "bfloat16"), None)
+    hyper = hyper_rows(1e-3, 0.0, 0.9, 0.999, 1e-8, 0.9, 0.999)[0]
+    adamw_step_ref(*tensors, hyper, stochastic_rounding=True, random_key=(4, 2, 9))
+    m32 = g32 * np.float32(hyper[1])  # from zero moments: one product each
+    v32 = g32 * np.float32(hyper[3]) * g32
+    for k, (got, exact) in enumerate(((tensors[2], m32), (tensors[3], v32))):
+        draws = np.random.Generator(np.random.Philox(np.random.SeedSequence([4, 2, 9, k]))).integers(
+            0, 1 << 16, n, dtype=np.int32)
+        np.testing.assert_array_equal(to64(got), _stochastic_round64(exact, "bfloat16", draws), err_msg=f"moment {k}")
+
 # --- state dict, convergence, memory ----------------------------------------------------------------------
 
 
