@@ -401,6 +401,7 @@ def test_flash_attn_extras_bad_input():
         (ValueError, "dropout_p: expected a number in", dict(dropout_p=1.0)),
         (ValueError, "dropout_p: expected a number in", dict(dropout_p=-0.1)),
         (TypeError, "seed: expected None or an int", dict(seed=1.5)),
+        (ValueError, r"seed: expected an int in \[0, 2\*\*62\)", dict(seed=-1)),
         (TypeError, "out_dtype: expected None or one of", dict(out_dtype="int32")),
         (ValueError, "zero_centered_weight", dict(zero_centered_weight=True, weight_offset=0.5)),
     ]

@@ -208,6 +208,8 @@ def _check_extras(x, N, x1, weight, weight1, bias1, dropout_p, rowscale, seed) -
         raise ValueError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise TypeError(f"seed: expected None or an int, got {type(seed).__name__}")
+    if seed is not None and not 0 <= seed < 2**62:  # (the kernels also use seed + 1, as an int64)
+        raise ValueError(f"seed: expected an int in [0, 2**62), got {seed}")
     return float(dropout_p)
 
 
