@@ -745,6 +745,25 @@ def _check_extras(M: int, N: int, ngroups: int, z, x1, rowscale, dropout_p: floa
         raise ValueError("dropout_mask: given without dropout_p > 0")
 
 
+def _fwd_extras_strides(M, N, ngroups, z, residual_out, x1, rowscale, dropout_p, seed, dropout_mask,
+                        dropout_mask1) -> tuple:
+    """Checks ``norm_fwd``'s extras; the row strides of x1 and of the masks."""
+    _check_extras(M, N, ngroups, z, x1, rowscale, dropout_p, seed, (dropout_mask, dropout_mask1))
+    if residual_out is None:
+        raise ValueError("residual_out: x1, rowscale and dropout need the stream h stored for the backward")
+    if (dropout_mask1 is not None) != (dropout_mask is not None and x1 is not None):
+        raise ValueError("dropout_mask1: give it with dropout_mask exactly when x1 is given")
+    stride_x1 = None if x1 is None else T.row_stride("x1", x1, M, N)
+    stride_mask = None
+    for name, t in (("dropout_mask", dropout_mask), ("dropout_mask1", dropout_mask1)):
+        if t is not None:
+            stride = T.row_stride(name, t, M, N)
+            if stride_mask is not None and stride != stride_mask:
+                raise ValueError("dropout_mask1: expected dropout_mask's row stride")
+            stride_mask = stride
+    return stride_x1, stride_mask
+
+
 def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None, z=None, eps: float = 1e-5,
              is_rms_norm: bool = False, weight_offset: float = 0.0, group_size=None,
              norm_before_gate: bool = True, x1=None, rowscale=None, dropout_p: float = 0.0, seed=None,
@@ -761,22 +780,13 @@ def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None
     G, ngroups = _groups(N, group_size)
     if (residual is not None or residual_out is not None) and ngroups != 1:
         raise ValueError("residual: not supported together with group_size < N")
-    dropout_p = float(dropout_p)
-    _check_extras(M, N, ngroups, z, x1, rowscale, dropout_p, seed, (dropout_mask, dropout_mask1))
-    if (x1 is not None or rowscale is not None or dropout_p) and residual_out is None:
-        raise ValueError("residual_out: x1, rowscale and dropout need the stream h stored for the backward")
-    if (dropout_mask1 is not None) != (dropout_mask is not None and x1 is not None):
-        raise ValueError("dropout_mask1: give it with dropout_mask exactly when x1 is given")
     strides = [T.row_stride(name, t, M, N) for name, t in (("x", x), ("residual", residual), ("z", z), ("y", y),
                                                           ("residual_out", residual_out))]
-    stride_x1 = None if x1 is None else T.row_stride("x1", x1, M, N)
-    stride_mask = None
-    for name, t in (("dropout_mask", dropout_mask), ("dropout_mask1", dropout_mask1)):
-        if t is not None:
-            stride = T.row_stride(name, t, M, N)
-            if stride_mask is not None and stride != stride_mask:
-                raise ValueError("dropout_mask1: expected dropout_mask's row stride")
-            stride_mask = stride
+    stride_x1 = stride_mask = None
+    if x1 is not None or rowscale is not None or dropout_p or dropout_mask is not None or dropout_mask1 is not None:
+        dropout_p = float(dropout_p)
+        stride_x1, stride_mask = _fwd_extras_strides(M, N, ngroups, z, residual_out, x1, rowscale, dropout_p, seed,
+                                                     dropout_mask, dropout_mask1)
     for name, t in (("weight", weight), ("bias", bias)):
         _check_vector(name, t, N)
     _check_stats(mean, rstd, M * ngroups, is_rms_norm)
@@ -819,14 +829,17 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dr
     tile and loop (pass the same to ``bwd_workspace_shapes``)."""
     M, N = _matrix_shape("h", h)
     G, ngroups = _groups(N, group_size)
-    dropout_p = float(dropout_p)
-    _check_extras(M, N, ngroups, z, dx1, rowscale, dropout_p, seed, ())
-    if (drowscale is None) != (x is None) or (drowscale is not None and rowscale is None):
-        raise ValueError("drowscale: give it with x (the forward's input), and with rowscale")
-    if drowscale is not None:
-        T.check_same_shape("drowscale", drowscale, drowscale_shape(M, N, max_block, tuning))
-        T.check_contiguous("drowscale", drowscale)
-    stride_x, stride_dx1 = (None if t is None else T.row_stride(name, t, M, N) for name, t in (("x", x), ("dx1", dx1)))
+    stride_x = stride_dx1 = None
+    if dx1 is not None or rowscale is not None or dropout_p or drowscale is not None or x is not None:
+        dropout_p = float(dropout_p)
+        _check_extras(M, N, ngroups, z, dx1, rowscale, dropout_p, seed, ())
+        if (drowscale is None) != (x is None) or (drowscale is not None and rowscale is None):
+            raise ValueError("drowscale: give it with x (the forward's input), and with rowscale")
+        if drowscale is not None:
+            T.check_same_shape("drowscale", drowscale, drowscale_shape(M, N, max_block, tuning))
+            T.check_contiguous("drowscale", drowscale)
+        stride_x, stride_dx1 = (None if t is None else T.row_stride(name, t, M, N)
+                                for name, t in (("x", x), ("dx1", dx1)))
     stride_h, stride_z, stride_dy, stride_dres_out, stride_dx, stride_dres, stride_dz = (
         T.row_stride(name, t, M, N) for name, t in (("h", h), ("z", z), ("dy", dy), ("dresidual_out", dresidual_out),
                                                    ("dx", dx), ("dresidual", dresidual), ("dz", dz)))
