@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from paddlenlp_fused.kernels.cuda import selective_scan as cuda_scan
-from paddlenlp_fused.testing.numerics import assert_close, assert_close_to_terms, bound_for, rel_err
+from paddlenlp_fused.testing.numerics import as_pairs as _pairs, assert_close, assert_sum_close
 from paddlenlp_fused.testing.scan_reference import selective_scan_reference
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -148,19 +148,6 @@ def run_complex_scan(provider, dev, softplus, dout, warps=0):
                                   dz=dz, ddelta_bias=acc["delta_bias"])
 
 
-def _pairs(x):
-    """A complex array as its (re, im) pairs: complex gradients are compared by relative norm on them."""
-    return np.stack([x.real, x.imag], -1) if np.iscomplexobj(x) else x
-
-
-def _check_sum(name, got, want, term_sum, dtype):
-    """A gradient that sums one term per token (and batch): the relative norm error, or where the sum
-    cancels (its norm far below its terms') the forward-error measure of a sum, the error over the sum
-    of the terms' magnitudes (DESIGN.md's note on sums; as tests/gpu/test_ssd_backward.py does)."""
-    if rel_err(_pairs(got), _pairs(want)) > bound_for(dtype):
-        assert_close_to_terms(name, got, want, term_sum, dtype)
-
-
 def check_complex_scan(provider, ref_in, softplus, dout, results, dtype):
     out, last, out_z, grads = results
     ref_out, ref_last, ref_grads, term_sums = selective_scan_reference(**ref_in, softplus=softplus,
@@ -173,7 +160,7 @@ def check_complex_scan(provider, ref_in, softplus, dout, results, dtype):
         if g is None:
             continue
         if name in term_sums:
-            _check_sum(name, _to_numpy(provider, g), ref_grads[name], term_sums[name], dtype)
+            assert_sum_close(name, _to_numpy(provider, g), ref_grads[name], term_sums[name], dtype)
         else:
             assert_close(name, _pairs(_to_numpy(provider, g)), _pairs(ref_grads[name]), dtype)
 
