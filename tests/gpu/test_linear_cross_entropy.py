@@ -116,6 +116,7 @@ def test_gradient_filter(provider):
     assert not provider.to_numpy(flags).any() and not np.any(got["dh"]) and not np.any(got["dw"])
 
 
+@pytest.mark.xdist_group("huge")
 def test_weight_past_2_31_elements(provider):
     """W [V, D] with V * D > 2^31: 64-bit row offsets in every kernel (rows checked at the end)."""
     torch = provider.torch
