@@ -11,7 +11,7 @@ import pytest
 
 from paddlenlp_fused.kernels.cuda import norm as cuda_norm
 from paddlenlp_fused.kernels.triton import norm as triton_norm
-from paddlenlp_fused.testing.numerics import assert_close, assert_close_to_terms, bound_for
+from paddlenlp_fused.testing.numerics import assert_close, assert_close_to_terms, assert_sum_close, bound_for
 
 KERNELS = {"triton": triton_norm, "cuda": cuda_norm}
 DTYPES = ("float32", "float16", "bfloat16")
@@ -217,6 +217,18 @@ SWEEP_CHUNKS = [range(1, 2)] + [range(start, min(start + 1024, 2 * half + 1)) fo
                         65535, 65536})]
 
 
+def _dx_terms(h, w, dy, rstd, dres_out, provider, is_rms):
+    """Magnitudes of the terms whose sum is the reference's dx: rstd (|w dy| + |xhat c1| + |c2|),
+    plus |dresidual_out|."""
+    xhat = (h - (0.0 if is_rms else h.mean(-1, keepdims=True))) * rstd
+    wdy = dy * w
+    terms = np.abs(wdy) + np.abs(xhat * (xhat * wdy).mean(-1, keepdims=True))
+    if not is_rms:
+        terms = terms + np.abs(wdy.mean(-1, keepdims=True))
+    terms = terms * rstd
+    return terms if dres_out is None else terms + np.abs(provider.to_numpy(dres_out))
+
+
 def _check_sweep_case(provider, M, N, dtype, options):
     """One forward and backward against float64, all outputs (poisoned before) checked."""
     w_dtype = "float32" if options["is_rms"] else dtype
@@ -242,18 +254,29 @@ def _check_sweep_case(provider, M, N, dtype, options):
                                      provider.to_numpy(dy), None if dres_out is None else provider.to_numpy(dres_out),
                                      1e-5, options["is_rms"])
     where = f"[{M}, {N}] {dtype} {options}"
+    dy64 = provider.to_numpy(dy)
     assert_close(f"y {where}", got["y"], y, dtype)
     if N == 1 and dres_out is None:  # all cancellation (see test_fwd_bwd_match_float64)
         scale = np.linalg.norm(provider.to_numpy(w) * provider.to_numpy(dy) * rstd)
         assert np.linalg.norm(got["dx"] - dh) <= bound_for(dtype) * scale, f"dx {where}"
     else:
-        assert_close(f"dx {where}", got["dx"], dh, dtype)
+        try:
+            assert_close(f"dx {where}", got["dx"], dh, dtype)
+        except AssertionError:
+            # at a few columns dx is a difference of nearly equal terms (LayerNorm at N = 2 cancels to
+            # O(eps / var)), so its error is measured against their magnitudes, elementwise
+            assert_close_to_terms(f"dx {where}", got["dx"], dh, _dx_terms(h, provider.to_numpy(w), dy64, rstd, dres_out,
+                                                                           provider, options["is_rms"]), dtype)
+    # dweight and dbias sum one term per row: over the hundreds of thousands of rows of the
+    # cooperative-grid cases they cancel, so DESIGN's measure for sums applies (error over the sum
+    # of the terms' magnitudes where the relative norm error is past the bound)
     if N == 1 and not options["is_rms"]:  # xhat is exactly 0
         np.testing.assert_array_equal(got["dweight"], dw, err_msg=f"dweight {where}")
     else:
-        assert_close(f"dweight {where}", got["dweight"], dw, dtype)
+        xhat = (h - (0.0 if options["is_rms"] else h.mean(-1, keepdims=True))) * rstd
+        assert_sum_close(f"dweight {where}", got["dweight"], dw, np.abs(dy64 * xhat).sum(0), dtype)
     if b is not None:
-        assert_close(f"dbias {where}", got["dbias"], db, dtype)
+        assert_sum_close(f"dbias {where}", got["dbias"], db, np.abs(dy64).sum(0), dtype)
 
 
 @pytest.mark.parametrize("widths", SWEEP_CHUNKS, ids=lambda r: f"N{min(r)}-{max(r)}")
