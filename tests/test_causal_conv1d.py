@@ -98,7 +98,19 @@ def test_triton_tiles_segments_seq_idx_and_initial_states(width):
     x, dout = randn((batch, dim, seqlen)), randn((batch, dim, seqlen))
     weight, bias, init = randn((dim, width), scale=0.5), randn((dim,)), randn((batch, dim, width - 1))
     ids = np.array([[0] * 8 + [1] * 9 + [2] * 20, [0] * 1 + [1] * 15 + [2] * 21])
-    seq_idx = paddle.to_tensor(ids.astype(np.int64))
+    out, dx, dw, db, dinit = _run_tiled_kernels(x, weight, bias, paddle.to_tensor(ids.astype(np.int64)), init, dout)
+    y64, grads64 = _conv_grads64(x, weight, bias, init, ids, dout)
+    np.testing.assert_allclose(y64, conv64(to64(x), to64(weight), to64(bias), ids, to64(init)), rtol=1e-12)
+    assert_close("out", out.numpy(), y64, "float32")
+    for name, got, want in zip(("dx", "dweight", "dbias", "dinitial_states"), (dx, dw, db, dinit), grads64):
+        assert_close(name, got.numpy(), want, "float32")
+
+
+def _run_tiled_kernels(x, weight, bias, seq_idx, init, dout):
+    """The Triton forward and backward with silu at block_l 8 and 16-position backward segments, on
+    poisoned outputs: (out, dx, dweight, dbias, dinitial_states)."""
+    batch, dim, seqlen = x.shape
+    width = weight.shape[1]
     out = paddle.full([batch, dim, seqlen], float("nan"))
     conv_kernels.causal_conv1d_fwd(*triton_args(x, weight, out, bias, seq_idx, init), activation="silu",
                                    block_d=2, block_l=8)
@@ -106,21 +118,7 @@ def test_triton_tiles_segments_seq_idx_and_initial_states(width):
     dw, db = paddle.zeros([dim, width]), paddle.zeros([dim])
     conv_kernels.causal_conv1d_bwd(*triton_args(x, weight, dout, dx, dw, bias, db, seq_idx, init, dinit),
                                    activation="silu", block_d=2, block_l=8, segment=16)
-    xs = [paddle.to_tensor(t.numpy().astype(np.float64), stop_gradient=False) for t in (x, weight, bias, init)]
-    # float64 reference through Paddle autograd on the same definition
-    x64, w64, b64, i64 = xs
-    xp = paddle.concat([i64, x64], axis=-1)
-    idp = np.concatenate([np.repeat(ids[:, :1], width - 1, axis=1), ids], axis=-1)
-    pre = paddle.zeros([batch, dim, seqlen], "float64") + b64[:, None]
-    for k in range(width):
-        same = paddle.to_tensor((idp[:, k:k + seqlen] == ids)[:, None, :].astype(np.float64))
-        pre = pre + w64[:, k:k + 1] * xp[:, :, k:k + seqlen] * same
-    y64 = pre * paddle.nn.functional.sigmoid(pre)
-    np.testing.assert_allclose(y64.numpy(), conv64(*(t.numpy() for t in xs[:3]), ids, xs[3].numpy()), rtol=1e-12)
-    grads64 = paddle.grad(y64, xs, paddle.to_tensor(dout.numpy().astype(np.float64)))
-    assert_close("out", out.numpy(), y64.numpy(), "float32")
-    for name, got, want in zip(("dx", "dweight", "dbias", "dinitial_states"), (dx, dw, db, dinit), grads64):
-        assert_close(name, got.numpy(), want.numpy(), "float32")
+    return out, dx, dw, db, dinit
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 8])
@@ -173,14 +171,7 @@ def test_seq_idx_padding_triton_kernels(width):
     seqlen = ids.shape[1]
     x, dout = randn((batch, dim, seqlen)), randn((batch, dim, seqlen))
     weight, bias, init = randn((dim, width), scale=0.5), randn((dim,)), randn((batch, dim, width - 1))
-    seq_idx = paddle.to_tensor(ids.astype(np.int32))
-    out = paddle.full([batch, dim, seqlen], float("nan"))
-    conv_kernels.causal_conv1d_fwd(*triton_args(x, weight, out, bias, seq_idx, init), activation="silu",
-                                   block_d=2, block_l=8)
-    dx, dinit = paddle.full([batch, dim, seqlen], float("nan")), paddle.full([batch, dim, width - 1], float("nan"))
-    dw, db = paddle.zeros([dim, width]), paddle.zeros([dim])
-    conv_kernels.causal_conv1d_bwd(*triton_args(x, weight, dout, dx, dw, bias, db, seq_idx, init, dinit),
-                                   activation="silu", block_d=2, block_l=8, segment=16)
+    out, dx, dw, db, dinit = _run_tiled_kernels(x, weight, bias, paddle.to_tensor(ids.astype(np.int32)), init, dout)
     y64, grads64 = _conv_grads64(x, weight, bias, init, ids, dout)
     np.testing.assert_allclose(y64, conv64(to64(x), to64(weight), to64(bias), ids, to64(init)), rtol=1e-12)
     assert (out.numpy()[:, :, ids[0] < 0][0] == 0).all() and (out.numpy()[1][:, ids[1] < 0] == 0).all()
