@@ -26,11 +26,8 @@
 // Unaligned rows (a pointer not 16-byte aligned, a stride or N not a multiple of VEC) take the
 // same code with element-wise loads (template flag), so the geometry never depends on alignment.
 // Variants (vectors per thread, stages, blocks per SM) are arguments of the entry points, 0/-1 for
-// the defaults below (tuning sweeps them; tests/gpu/test_norm.py checks each). Defaults from the
-// sweep on the H200, [16384, 4096] bf16, CUDA-graph timing: backward, 2 vectors a thread and 2
-// stages 0.134 ms LayerNorm / 0.121 RMSNorm (3 stages 0.149 / 0.136, 1 vector 0.150 / 0.137,
-// unstaged 0.223 / 0.211, forcing 1 or 3 blocks per SM slower); forward staged with 2 vectors
-// 0.080 / 0.078 ms (block per row 0.121 / 0.098).
+// the defaults below (tuning sweeps them; tests/gpu/test_norm.py checks each). The defaults won the
+// sweep at the benchmark shape (figures: benchmarks/NOTES.md).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

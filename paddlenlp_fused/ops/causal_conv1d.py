@@ -74,10 +74,8 @@ def _check_conv_args(x, weight, bias, seq_idx, initial_states, activation):
     return weight
 
 
-# ``auto`` on the GPU tries Triton first, then CUDA: on the H200 at [8, 4096, 2048] bf16, width 4, bias,
-# silu (channel-first, as the ops hand x to the kernels) the Triton kernels take 0.071 ms forward,
-# 0.149 ms backward, 0.217 ms fwd+bwd; the CUDA kernels 0.150 / 0.353 / 0.500 ms
-# (benchmarks/results/causal_conv1d.json, 2026-11-30). The decoding step follows the same order (not timed).
+# ``auto`` on the GPU tries Triton first, then CUDA (Triton is faster at the benchmark shape:
+# benchmarks/results/causal_conv1d.json). The decoding step follows the same order (not timed).
 AUTO_ORDER = gpu_order("causal_conv1d")
 _KERNELS = {"triton": conv_kernels, "cuda": cuda_conv}
 

@@ -46,10 +46,9 @@ from .causal_conv1d import check_state_indices, conv_launch_bwd, conv_launch_fwd
 IMPLEMENTED = ("triton", "reference")
 SCAN_IMPLEMENTED = ("cuda", "triton", "reference")
 _SCAN_KERNELS = {"cuda": cuda_scan, "triton": scan_kernels}
-# ``auto`` on the GPU: the order the scan's backends are tried in for real A, Triton first. On the H200
-# at the canonical [8, 4096, 2048] dstate 16 bf16 case (2026-11-30, round A runs) the Triton kernels
-# took fwd 0.575 / bwd 2.98 ms, the CUDA ones 2.20 / 6.16 ms; CUDA runs when Triton cannot (complex
-# A among them: Triton takes real A only) or when asked for.
+# ``auto`` on the GPU: the order the scan's backends are tried in for real A, Triton first (faster at
+# the benchmark shape: benchmarks/NOTES.md); CUDA runs when Triton cannot (complex A among them:
+# Triton takes real A only) or when asked for.
 SCAN_AUTO_ORDER = gpu_order("selective_scan")
 COMPLEX_A_BACKENDS = ("cuda", "reference")  # the Triton scan takes real A only
 # ``auto`` on the GPU for complex A: CUDA; without its library, the reference, warning with both reasons

@@ -161,7 +161,7 @@ def adamw_step_ref(param: paddle.Tensor, grad: paddle.Tensor, exp_avg: paddle.Te
     g_dtype, w_dtype, m_dtype, v_dtype, p_dtype = (_dtype_name(t) for t in (grad, weight, exp_avg, exp_avg_sq, param))
     ins = [(_host(t, dtype).reshape(-1), dtype)
            for t, dtype in ((grad, g_dtype), (weight, w_dtype), (exp_avg, m_dtype), (exp_avg_sq, v_dtype))]
-    # a generator only for the outputs rounded stochastically (seeding one costs ~0.1 ms)
+    # a generator only for the outputs rounded stochastically (seeding one is not free)
     sr_param = master is None and p_dtype in _SIXTEEN_BIT
     rng = [_philox(tuple(random_key) + (i,)) if stochastic_rounding and used else None
            for i, used in enumerate((m_dtype in _SIXTEEN_BIT, v_dtype in _SIXTEEN_BIT, sr_param))]

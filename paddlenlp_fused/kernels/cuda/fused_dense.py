@@ -29,9 +29,6 @@ from ...runtime import tensor as T
 from . import library
 
 ACTIVATIONS = {"none": 0, "gelu_approx": 1, "relu": 2}
-# The heuristic index that "auto" means: fastest for the MLP benchmark's fwd+bwd on the H200
-# (benchmarks/results/mlp.json, "heuristic_sweep").
-AUTO_HEURISTIC = 0
 ENV_CUBLASLT = "PADDLENLP_FUSED_CUBLASLT"
 _i64, _ptr, _int, _size = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
 _SIGNATURES = {
