@@ -238,14 +238,14 @@ def run(provider, quick: bool = False) -> dict:
     # the plain bf16 composition's own gradient error, the scale of DESIGN's bf16 bound (2x it, < 1e-2)
     rows = []
 
-    def add(name, fn, gemms, fwd=None, excl=grad_bytes, prep=None, **extra):
+    def add(name, fn, gemms, fwd=None, excl=grad_bytes, prep=None, leaves=(), **extra):
         fn()  # compile / warm
         provider.synchronize()
         row = {"impl": name}
         if fwd is not None:
             row["fwd_ms"] = bench_ms(fwd)
         row["fwdbwd_ms"] = bench_ms(fn)
-        row["peak_GiB"] = peak_GiB(provider, fn, excl)
+        row["peak_GiB"] = peak_GiB(provider, fn, excl, leaves)  # leaves: gradients freed before the baseline
         if prep is not None:
             prep()
         row.update(errors(*fn()))
@@ -292,7 +292,7 @@ def run(provider, quick: bool = False) -> dict:
         with torch.no_grad():
             return _torch_composition(hg, wg, labels)
 
-    add("torch", torch_fwdbwd, 3, fwd=torch_fwd)
+    add("torch", torch_fwdbwd, 3, fwd=torch_fwd, leaves=(hg, wg))
     chunked = _torch_chunked(torch, 8)
     add("torch chunked 8x1024, grads in fwd, CE compiled", lambda: chunked(h, w, labels), 3)
     for name, fn in _peers(torch):
@@ -322,7 +322,7 @@ def run(provider, quick: bool = False) -> dict:
             loss.backward()
             return loss, hv.grad, wv.grad
 
-        entry["torch_peak_GiB"] = peak_GiB(provider, torch_once, gb)
+        entry["torch_peak_GiB"] = peak_GiB(provider, torch_once, gb, leaves=(hv, wv))
         scaling.append(entry)
         print(entry, flush=True)
         del hv, wv, lv
