@@ -69,7 +69,7 @@ class Tiles(NamedTuple):
 
 
 def default_tiles(dtype: str) -> Tiles:
-    """Fixed configs (no autotuning: predictable compile time). 16-bit inputs: the fastest of an H200
+    """Fixed configs (no autotuning: predictable compile time). 16-bit inputs: the fastest of a
     sweep at T=8192, D=4096, V=128256 (each backward config checked against fp32 gradients; figures
     in benchmarks/NOTES.md). fp32 runs on CUDA cores in IEEE precision, in small tiles. The
     interpreter takes small tiles for speed."""
@@ -823,6 +823,17 @@ def _check_buffer(name, t, shape, dtype) -> None:
         raise TypeError(f"{name}: expected {dtype}, got {T.dtype_name(t)}")
 
 
+def _token_blocks(p, tokens: int):
+    """(first token, tokens) of each block of at most ``tokens``; none for 0 tokens. A forward over
+    no vocabulary rows is an error (its stats would be empty)."""
+    if p.n_tok == 0:
+        return
+    if p.V == 0:
+        raise ValueError("weight: this rank holds no vocabulary rows")
+    for t0 in range(0, p.n_tok, tokens):
+        yield t0, min(tokens, p.n_tok - t0)
+
+
 def lean_forward(gemm, hidden, weight, labels, bias, logits, state, stats, *, plan: ChunkPlan,
                  transpose_y: bool = True, vocab_start: int = 0, softcap: float | None = None,
                  need_sum: bool = False) -> None:
@@ -833,12 +844,7 @@ def lean_forward(gemm, hidden, weight, labels, bias, logits, state, stats, *, pl
     _check_buffer("logits", logits, (plan.tokens, plan.ld), "float32")
     _check_buffer("state", state, (4, p.n_tok), "float32")
     _check_buffer("stats", stats, (3, p.n_tok), "float32")
-    if p.n_tok == 0:
-        return
-    if p.V == 0:
-        raise ValueError("weight: this rank holds no vocabulary rows")
-    for t0 in range(0, p.n_tok, plan.tokens):
-        tb = min(plan.tokens, p.n_tok - t0)
+    for t0, tb in _token_blocks(p, plan.tokens):
         for c0 in range(0, p.V, plan.vocab):
             vc = min(plan.vocab, p.V - c0)
             _logits_gemm(gemm, p, hidden, weight, logits, t0, tb, c0, vc, plan.ld, transpose_y)
@@ -938,12 +944,7 @@ def bounded_forward(gemm, hidden, weight, labels, bias, logits, stats, loss, fla
             raise TypeError(f"dw: expected {p.dtype} or float32, got {T.dtype_name(dw)}")
     if bias is not None:
         _check_buffer("dbias_acc", dbias_acc, (p.V,), "float32")
-    if p.n_tok == 0:
-        return
-    if p.V == 0:
-        raise ValueError("weight: this rank holds no vocabulary rows")
-    for t0 in range(0, p.n_tok, plan.tokens):
-        tb = min(plan.tokens, p.n_tok - t0)
+    for t0, tb in _token_blocks(p, plan.tokens):
         _logits_gemm(gemm, p, hidden, weight, logits, t0, tb, 0, p.V, plan.ld, transpose_y)
         _chunk_stats_kernel[(triton.cdiv(tb, ROW_BLOCK),)](
             logits, plan.ld, bias if bias is not None else logits, labels, stats, stats,
