@@ -32,7 +32,7 @@ namespace {
 
 constexpr int kMaxWidth = 4;
 constexpr int kHalo = kMaxWidth - 1;
-// Launch geometry: the defaults won a sweep on the H200 (benchmarks/NOTES.md); a tuning run rebuilds
+// Launch geometry: the defaults won a sweep at the benchmark shape (benchmarks/NOTES.md); a tuning run rebuilds
 // this file alone with -D overrides.
 #ifndef PNF_CONV_SEQ_THREADS
 #define PNF_CONV_SEQ_THREADS 128

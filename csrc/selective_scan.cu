@@ -46,7 +46,7 @@
 
 namespace {
 
-// Launch choices from the H200 sweeps at the benchmark shape (timings: benchmarks/NOTES.md).
+// Launch choices from sweeps at the benchmark shape (timings: benchmarks/NOTES.md).
 constexpr int kBwdItems = 8;                  // steps a backward lane holds (more tiles stay alive)
 constexpr int kSegment = 32 * kBwdItems;      // backward chunk = the forward's state interval
 constexpr int kMaxWarps = 8;

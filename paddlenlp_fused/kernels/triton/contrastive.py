@@ -64,7 +64,7 @@ from .interpreter_compat import INTERPRETING, dot_operand
 _LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E): the kernels work in exp2
 _LN2 = tl.constexpr(0.6931471805599453)
 PRECISIONS = ("ieee", "tf32", "bf16")
-GRAD_CHUNK = 8192  # rows and columns of one materialised G chunk (beat 4096 on the H200)
+GRAD_CHUNK = 8192  # rows and columns of one materialised G chunk (beat 4096 in the sweep: benchmarks/NOTES.md)
 
 
 @triton.jit
@@ -285,7 +285,7 @@ class TileConfig(NamedTuple):
     block_k: int | None = None
 
 
-# The winners of the H200 sweeps at 65536 x 512 (timings: benchmarks/NOTES.md). 16-bit tiles (bf16/fp16
+# The winners of the sweeps at 65536 x 512 (timings: benchmarks/NOTES.md). 16-bit tiles (bf16/fp16
 # inputs, or fp32 inputs staged in bf16): forward 128x128x64, 3 stages, the column loop flattened with
 # the D loop; score gradient 128x64 for the symmetric loss (its three column vectors cost 32 registers
 # each at 128 columns in the MMA layout: 252 registers at 128x128, 127 at 128x64), 128x128 for one
