@@ -44,6 +44,9 @@ def _fresh_seed(request):
     fixed = os.environ.get(SEED_ENV)
     seed = int(fixed) if fixed else int(np.random.SeedSequence().entropy % (2**31))
     request.node.user_properties.append(("seed", seed))
+    from paddlenlp_fused.testing import numerics  # here: the interpreter switch comes first
+
+    numerics.current_test = f"{request.node.nodeid} seed={seed}"
     np.random.seed(seed)
     try:
         import paddle

@@ -22,6 +22,9 @@ of the tensor's largest value.
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 
 FP32_BOUND = 1e-5
@@ -29,6 +32,19 @@ TF32_BOUND = 1e-3
 LOW_PRECISION_CAP = 1e-2
 UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
 ELEMENTWISE_FACTOR = 4.0
+RATIO_LOG_ENV = "PADDLENLP_FUSED_RATIO_LOG"
+current_test = ""  # set per test by tests/conftest.py, for the ratio log
+
+
+def _log_ratios(name: str, norm_ratio: float, elementwise_ratio: float | None = None) -> None:
+    """Append each check's error / bound (norm-wise, elementwise) to the JSON-lines file named by
+    PADDLENLP_FUSED_RATIO_LOG, so a flake hunt over many seeds sees how close each check comes to its
+    bound (``python -m paddlenlp_fused.testing.ratios LOG``); nothing when it is unset."""
+    path = os.environ.get(RATIO_LOG_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": current_test, "check": name, "norm": norm_ratio,
+                                "elementwise": elementwise_ratio}) + "\n")
 
 
 def rel_err(out, ref) -> float:
@@ -75,9 +91,10 @@ def assert_close(name: str, out, ref, dtype: str, baseline_err: float | None = N
     error."""
     err = rel_err(out, ref)
     bound = bound_for(dtype, baseline_err, tf32)
+    worst, index = max_err(out, ref)
+    _log_ratios(f"{name} ({dtype})", err / bound, worst / (ELEMENTWISE_FACTOR * bound))
     if not err <= bound:  # also false for NaN
         raise AssertionError(f"{name} ({dtype}): relative error {err:.3e} exceeds bound {bound:.3e}")
-    worst, index = max_err(out, ref)
     if not worst <= ELEMENTWISE_FACTOR * bound:
         raise AssertionError(f"{name} ({dtype}): largest error {worst:.3e} of max|ref| (at {index}) exceeds "
                              f"{ELEMENTWISE_FACTOR:g} x bound {bound:.3e}")
@@ -92,8 +109,19 @@ def assert_close_to_terms(name: str, out, ref, term_magnitudes, dtype: str) -> f
     diff = np.abs(wide(out) - wide(ref))
     err = float(np.max(diff / np.maximum(np.asarray(term_magnitudes, dtype=np.float64), 1e-300)))
     bound = bound_for(dtype)
+    _log_ratios(f"{name} ({dtype}) over terms", err / bound)
     if not err <= bound:  # also false for NaN
         raise AssertionError(f"{name} ({dtype}): error / sum of |terms| {err:.3e} exceeds bound {bound:.3e}")
+    return err
+
+
+def assert_within(name: str, out, ref, limit: float) -> float:
+    """Norm-wise within ``limit`` and elementwise within ELEMENTWISE_FACTOR times it (as
+    ``assert_close``, for a limit that is not one dtype's bound); returns the norm-wise error."""
+    err, (worst, index) = rel_err(out, ref), max_err(out, ref)
+    _log_ratios(name, err / limit, worst / (ELEMENTWISE_FACTOR * limit))
+    assert err <= limit and worst <= ELEMENTWISE_FACTOR * limit, \
+        f"{name}: relative error {err:.3e}, largest {worst:.3e} of max|ref| (at {index}); limit {limit:.3e}"
     return err
 
 
@@ -109,6 +137,7 @@ def assert_sum_close(name: str, out, ref, term_magnitudes, dtype: str) -> float:
     the error over the sum of the terms' magnitudes (``assert_close_to_terms``)."""
     err = rel_err(as_pairs(out), as_pairs(ref))
     if err <= bound_for(dtype):
+        _log_ratios(f"{name} ({dtype})", err / bound_for(dtype))
         return err
     return assert_close_to_terms(name, out, ref, term_magnitudes, dtype)
 
