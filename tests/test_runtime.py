@@ -258,28 +258,66 @@ def test_import_fails_clearly_on_an_old_paddle(tmp_path):
 
 
 def test_paddle_driver_is_scoped_and_restored(monkeypatch):
-    """The Paddle driver replaces Triton's active driver and allocator only until it is restored
-    (or its scope ends): a torch Triton kernel in the same process gets its own driver back."""
+    """On the GPU (here: stand-in drivers and tensors that report a GPU), the Paddle driver and its
+    allocator replace Triton's only until the outermost scope ends (or, outside any scope, until
+    restore_triton_driver()): a torch Triton kernel in the same process gets its own back."""
     from triton.runtime import _allocation, driver
 
     from paddlenlp_fused.runtime import triton_paddle
 
-    sentinel = type("Driver", (), {"api": object()})()
-    monkeypatch.setattr(triton_paddle, "make_driver", lambda api=None: sentinel)
-    monkeypatch.setattr(triton_paddle, "_paddle_driver", None)
+    def stand_in(api=None):
+        made = type("Driver", (), {})()
+        made.api, made.scratch_allocator = api, lambda size, alignment, stream: None
+        return made
+
+    monkeypatch.setattr(triton_paddle, "make_driver", stand_in)
+    monkeypatch.setattr(triton_paddle, "device_kind", lambda t: "gpu")
+    monkeypatch.setattr(triton_paddle, "_gpu_driver", None)
     monkeypatch.setattr(triton_paddle, "_previous", None)
     before, allocator = driver._active, _allocation._allocator.get()
+
+    def paddle_driver_active(expected=None):
+        expected = expected or triton_paddle._gpu_driver
+        return driver._active is expected and _allocation._allocator.get() is expected.scratch_allocator
+
+    def given_back():
+        return driver._active is before and _allocation._allocator.get() is allocator
+
     with triton_paddle.paddle_triton_driver() as active:
-        assert active is sentinel and driver._active is sentinel
-        assert _allocation._allocator.get() is not allocator
+        assert paddle_driver_active(active)
         with triton_paddle.paddle_triton_driver():  # nested: the outer scope restores
             pass
-        assert driver._active is sentinel
-    assert driver._active is before and _allocation._allocator.get() is allocator
+        assert paddle_driver_active(active)
+    assert given_back()
+
+    @triton_paddle.triton_scoped
+    def op(fail=False):
+        x = paddle.ones([2])
+        assert triton_paddle.triton_args(x) == (x,)
+        assert paddle_driver_active()
+        if fail:
+            raise RuntimeError("in the op")
+
+    op()
+    assert given_back()
+    with pytest.raises(RuntimeError, match="in the op"):
+        op(fail=True)
+    assert given_back()
+
+    api = object()  # a stand-in PaddleDevice (the GPU suite's torch-backed one): ops inside use it too
+    default = triton_paddle._gpu_driver
+    with triton_paddle.paddle_triton_driver(api) as active:
+        assert active.api is api
+        op()
+        assert paddle_driver_active(active)
+    assert given_back() and triton_paddle._gpu_driver is default
+
     triton_paddle.install_paddle_driver()
-    assert driver._active is sentinel
+    assert paddle_driver_active()
+    op()  # an op gives back what was active before it: the installed driver
+    assert paddle_driver_active()
     triton_paddle.restore_triton_driver()
-    assert driver._active is before and _allocation._allocator.get() is allocator
+    assert given_back()
 
 
 def test_cuda_backend_reports_an_old_driver():

@@ -1,11 +1,25 @@
-"""Small pieces the ops' PyLayers share: gradient bookkeeping, buffers on the input's place, and
-in-place launches on possibly strided state tensors."""
+"""Small pieces the ops' PyLayers share: their base class, gradient bookkeeping, buffers on the
+input's place, and in-place launches on possibly strided state tensors."""
 
 from __future__ import annotations
 
 import paddle
+from paddle.autograd import PyLayer
 
+from ..runtime.triton_paddle import triton_scoped
 from ._checks import contiguous, device_of
+
+
+class TritonPyLayer(PyLayer):
+    """A PyLayer whose forward and backward are each a Triton driver scope (``triton_scoped``): the
+    backward runs later, called by Paddle's autograd engine outside the op's own scope."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in ("forward", "backward"):
+            method = vars(cls).get(name)
+            if isinstance(method, staticmethod):
+                setattr(cls, name, staticmethod(triton_scoped(method.__func__)))
 
 
 def grads_for(ctx, grads):

@@ -21,16 +21,15 @@ takes Triton for those, an explicit ``backend="cuda"`` raises ``BackendUnavailab
 from __future__ import annotations
 
 import paddle
-from paddle.autograd import PyLayer
 
 from ..kernels.cuda import causal_conv1d as cuda_conv
 from ..kernels.triton import causal_conv1d as conv_kernels
 from ..reference import mamba as ref
 from ..runtime.backend import gpu_order, resolve_backend
 from ..runtime.determinism import deterministic_requested
-from ..runtime.triton_paddle import triton_args
+from ..runtime.triton_paddle import triton_args, triton_scoped
 from ._checks import check_tensor, contiguous, device_of
-from ._pylayer import cast_like, check_shape, empty_on, grads_for, needs_grad, run_in_place, zeros32_on
+from ._pylayer import TritonPyLayer, cast_like, check_shape, empty_on, grads_for, needs_grad, run_in_place, zeros32_on
 
 IMPLEMENTED = ("cuda", "triton", "reference")
 CONV_ACTIVATIONS = (None, "silu", "swish")
@@ -151,7 +150,7 @@ def conv_launch_bwd(x, weight, bias, seq_idx, initial_states, dout, activation, 
     return dx, cast_like(dweight, weight), cast_like(dbias, bias), dinit
 
 
-class CausalConv1dFunction(PyLayer):
+class CausalConv1dFunction(TritonPyLayer):
     @staticmethod
     def forward(ctx, x, weight, bias, seq_idx, initial_states, activation, backend, deterministic):
         x, weight, bias, seq_idx, initial_states = (contiguous(t) for t in (x, weight, bias, seq_idx, initial_states))
@@ -202,6 +201,7 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     return out, final
 
 
+@triton_scoped
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
                          conv_state_indices=None, backend: str = "auto"):
     """Decoding step(s) of the causal conv: x ``[batch, dim]`` or ``[batch, dim, seqlen]`` new tokens;
@@ -247,6 +247,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
         return out
 
 
+@triton_scoped
 def causal_conv1d_varlen_states(x, cu_seqlens, state_len, backend: str = "auto"):
     """causal-conv1d's ``causal_conv1d_varlen_states``: the last ``state_len`` inputs of each sequence
     of a packed batch (the conv states to continue decoding from), no autograd. x

@@ -31,7 +31,6 @@ global gradient divided by the group size.
 from __future__ import annotations
 
 import paddle
-from paddle.autograd import PyLayer
 
 from ..distributed.comm import reduce_from_parallel
 from ..distributed.contrastive_ring import Ring, resolve_group, ring_grad, ring_row_stats
@@ -43,7 +42,7 @@ from ..runtime import tensor as T
 from ..runtime.backend import resolve_backend
 from ..runtime.triton_paddle import triton_args
 from ._checks import check_tensor, contiguous, device_of
-from ._pylayer import grads_for, needs_grad
+from ._pylayer import TritonPyLayer, grads_for, needs_grad
 
 REDUCTIONS = ("mean", "sum", "none")
 PRECISIONS = ("auto", "ieee", "tf32", "bf16")
@@ -55,7 +54,7 @@ def _kernel_precision(precision):
     return "tf32" if precision == "auto" else precision
 
 
-class _FlashContrastive(PyLayer):
+class _FlashContrastive(TritonPyLayer):
     """Per-row loss [B] float32 of the local rows (see the module docstring) over the Triton kernels.
     Memory beyond q, k and their gradients: per-row vectors, the constant G chunk of the backward
     (``grad_workspace_shape``), the constant bf16 stages (``_stage_buffers``), and in a ring the

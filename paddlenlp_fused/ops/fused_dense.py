@@ -58,7 +58,6 @@ import contextlib
 from typing import List, NamedTuple, Optional
 
 import paddle
-from paddle.autograd import PyLayer
 
 from ..distributed import comm
 from ..kernels.cuda import fused_dense_tuning as tuning
@@ -67,8 +66,9 @@ from ..kernels.triton.gated_activation import gated_activation_bwd, gated_activa
 from ..reference.fused_dense import GATED, fused_dense_ref, fused_mlp_ref
 from ..runtime import tensor as T
 from ..runtime.backend import resolve_backend
-from ..runtime.triton_paddle import triton_args
+from ..runtime.triton_paddle import triton_args, triton_scoped
 from ._checks import check_tensor, contiguous, device_of
+from ._pylayer import TritonPyLayer
 
 ACTIVATIONS = ("gelu_approx", "gelu", "relu", "sqrelu", "swiglu", "geglu")
 _TRITON_EPILOGUE = frozenset({"gelu_approx", "gelu", "relu", "sqrelu"})
@@ -280,7 +280,7 @@ def _bias_grad(dy):
     return dy.astype("float32").sum(axis=0).astype(dy.dtype)
 
 
-class _FusedMLPFunction(PyLayer):
+class _FusedMLPFunction(TritonPyLayer):
     @staticmethod
     def forward(ctx, x2d, weight1, weight2, bias1, bias2, cfg):
         K = cfg.kernels
@@ -340,7 +340,7 @@ class _FusedMLPFunction(PyLayer):
         return tuple(grads)
 
 
-class _FusedDenseFunction(PyLayer):
+class _FusedDenseFunction(TritonPyLayer):
     @staticmethod
     def forward(ctx, x2d, weight, bias, cfg):
         total_x = _gather_input(x2d, cfg)
@@ -451,6 +451,7 @@ def _lead_shape(x, pg, sequence_parallel):
     return lead
 
 
+@triton_scoped
 def fused_dense_func(x: paddle.Tensor, weight: paddle.Tensor, bias: Optional[paddle.Tensor] = None,
                      return_residual: bool = False, process_group=None, sequence_parallel: bool = False,
                      backend: str = "auto"):
@@ -498,6 +499,7 @@ def check_mlp_options(activation: str, checkpoint_lvl: int) -> None:
         raise ValueError(f"checkpoint_lvl: expected 0, 1 or 2, got {checkpoint_lvl!r}")
 
 
+@triton_scoped
 def fused_mlp_func(x: paddle.Tensor, weight1: paddle.Tensor, weight2: paddle.Tensor,
                    bias1: Optional[paddle.Tensor] = None, bias2: Optional[paddle.Tensor] = None,
                    activation: str = "gelu_approx", checkpoint_lvl: int = 0, heuristic="auto",

@@ -8,16 +8,16 @@ activation from x) and ``reference`` (pure Paddle, computed in float32).
 from __future__ import annotations
 
 import paddle
-from paddle.autograd import PyLayer
 
 from ..kernels.triton.gated_activation import gated_activation_bwd, gated_activation_fwd
 from ..reference.gated_activation import gated_activation_ref
 from ..runtime.backend import resolve_backend
 from ..runtime.triton_paddle import triton_args
 from ._checks import check_tensor, contiguous, device_of
+from ._pylayer import TritonPyLayer
 
 
-class GatedActivationFunction(PyLayer):
+class GatedActivationFunction(TritonPyLayer):
     @staticmethod
     def forward(ctx, x, activation):
         x = contiguous(x)

@@ -32,7 +32,6 @@ import warnings
 from typing import NamedTuple, Optional
 
 import paddle
-from paddle.autograd import PyLayer
 
 from ..distributed import vocab_parallel
 from ..kernels.triton import linear_cross_entropy as kernels
@@ -41,6 +40,7 @@ from ..runtime import tensor as T
 from ..runtime.backend import resolve_backend
 from ..runtime.triton_paddle import triton_args
 from ._checks import check_tensor, contiguous, device_of
+from ._pylayer import TritonPyLayer
 
 REDUCTIONS = ("mean", "sum", "none")
 _warned: set = set()
@@ -209,7 +209,7 @@ def _grads_out(grads, need, has_bias):
     return tuple(out + [None])  # labels
 
 
-class LinearCrossEntropyFunction(PyLayer):
+class LinearCrossEntropyFunction(TritonPyLayer):
     """(hidden2d ``[T, D]``, weight, bias, labels ``[T]``) -> (per-token fp32 loss ``[T]``, fp32 lse ``[T]``);
     both outputs are differentiable (d lse / d logit = softmax). The lean / triton / reference paths."""
 
@@ -248,7 +248,7 @@ class LinearCrossEntropyFunction(PyLayer):
         return _grads_out(grads, ctx.need, ctx.has_bias)
 
 
-class BoundedLinearCrossEntropyFunction(PyLayer):
+class BoundedLinearCrossEntropyFunction(TritonPyLayer):
     """(hidden2d, weight, bias, labels, reduction) -> the reduced fp32 loss, with the gradients computed
     in the forward pass (cuBLASLt, token blocks within ``o.max_workspace_bytes``); the backward
     multiplies them by the incoming scalar gradient."""

@@ -42,14 +42,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import paddle
-from paddle.autograd import PyLayer
 
 from ..kernels.triton.state_update import selective_state_update as state_update_launch
 from ..reference.ssd import NO_DT_LIMIT, process_dt, selective_state_update_multihead_ref
 from ..runtime.backend import resolve_backend
-from ..runtime.triton_paddle import triton_args
+from ..runtime.triton_paddle import triton_args, triton_scoped
 from ._checks import check_eps, check_tensor, contiguous, device_of
-from ._pylayer import add, check_shape, empty_on, grads_for, mm, needs_grad, run_in_place
+from ._pylayer import TritonPyLayer, add, check_shape, empty_on, grads_for, mm, needs_grad, run_in_place
 from .causal_conv1d import causal_conv1d_fn
 from .norm import rmsnorm_gated_fn
 from .ssd import mamba_chunk_scan_combined
@@ -166,7 +165,7 @@ def _leaves(tensors):
     return leaves
 
 
-class _SplitConv1dScanCombinedFunction(PyLayer):
+class _SplitConv1dScanCombinedFunction(TritonPyLayer):
     """The whole path in one PyLayer: forward without a graph, backward by recomputation (the
     conv's output and graph kept from forward at ``checkpoint_lvl`` 0)."""
 
@@ -219,6 +218,7 @@ class _SplitConv1dScanCombinedFunction(PyLayer):
         return grads_for(ctx, grads)
 
 
+@triton_scoped
 def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
                                      initial_states=None, seq_idx=None, dt_limit=(0.0, float("inf")),
                                      return_final_states=False, activation="silu", rmsnorm_weight=None,
@@ -261,6 +261,7 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
     return _SplitConv1dScanCombinedFunction.apply(*tensors, seq_idx, o)
 
 
+@triton_scoped
 def mamba2_state_update(ssm_state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
                         dt_limit=NO_DT_LIMIT, backend: str = "auto"):
     """One decoding step, no autograd. ssm_state ``[batch, nheads, headdim, dstate]`` updated in

@@ -37,7 +37,6 @@ import math
 
 import numpy as np
 import paddle
-from paddle.autograd import PyLayer
 
 from ..kernels.triton import ssd as K
 from ..reference import ssd as ref
@@ -45,7 +44,7 @@ from ..runtime import tensor as T
 from ..runtime.backend import resolve_backend
 from ..runtime.triton_paddle import triton_args
 from ._checks import check_tensor, contiguous, device_of
-from ._pylayer import cast_like, check_shape, empty_on, grads_for, needs_grad, zeros32_on
+from ._pylayer import TritonPyLayer, cast_like, check_shape, empty_on, grads_for, needs_grad, zeros32_on
 
 IMPLEMENTED = ("reference", "triton")
 _INT_DTYPES = ("int32", "int64")
@@ -141,7 +140,7 @@ def _triton_unsupported(chunk_size):
     return why
 
 
-class SSDChunkedFunction(PyLayer):
+class SSDChunkedFunction(TritonPyLayer):
     """Triton forward (stages of ``kernels/triton/ssd.py``) and backward (``ssd_chunked_bwd``).
     Outputs y, final_states and, with ``positions``, the states after those tokens."""
 

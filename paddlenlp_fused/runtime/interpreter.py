@@ -8,8 +8,9 @@ protocol (``untyped_storage()``, ``new_empty``, ``set_``, ``size()``, ``stride()
 real kernels run on Paddle tensors with no torch installed.
 
 ``@triton.autotune`` with several configs asks the active driver for a benchmarker; with no GPU there
-is no driver, so ``install_interpreter_driver`` registers one that runs each config once (every
-config is exercised) and reports equal times (the first config wins, deterministically).
+is no driver, so ``interpreter_driver()`` is one that runs each config once (every config is
+exercised) and reports equal times (the first config wins, deterministically); like the GPU driver,
+it is active only while an op runs (``runtime.triton_paddle``).
 """
 
 from __future__ import annotations
@@ -103,16 +104,16 @@ def _run_once(kernel_call, quantiles=None, **_):
     return [1.0, 1.0, 1.0] if quantiles else 1.0
 
 
-_installed = False
+_interpreter_driver = None
 
 
-def install_interpreter_driver() -> None:
-    """Make Triton's active driver a benchmarker-only one (idempotent). Only for interpreter mode."""
-    global _installed
-    if _installed:
-        return
+def interpreter_driver():
+    """The benchmarker-only driver that ``triton_args`` makes active for CPU tensors (made on first
+    use). Only for interpreter mode."""
+    global _interpreter_driver
+    if _interpreter_driver is not None:
+        return _interpreter_driver
     from triton.backends.driver import DriverBase
-    from triton.runtime import driver
 
     class InterpreterDriver(DriverBase):
         @classmethod
@@ -131,5 +132,5 @@ def install_interpreter_driver() -> None:
         def get_benchmarker(self):
             return _run_once
 
-    driver.set_active(InterpreterDriver())
-    _installed = True
+    _interpreter_driver = InterpreterDriver()
+    return _interpreter_driver
