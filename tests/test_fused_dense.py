@@ -82,7 +82,7 @@ def test_mlp_values_and_gradients_match_float64(activation, dtype):
 
 
 @pytest.mark.parametrize("activation", ["gelu_approx", "swiglu"])
-def test_mlp_float16_and_reference_backend(activation):
+def test_mlp_float16_triton_and_float32_bfloat16_reference(activation):
     for dtype, backend in (("float16", "triton"), ("float32", "reference"), ("bfloat16", "reference")):
         x = randn((7, 16), dtype, requires_grad=True)
         params = _mlp_params(activation, dtype)
