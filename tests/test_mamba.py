@@ -379,6 +379,115 @@ def test_scan_cuda_backend_on_cpu_and_its_limits():
 
 
 # ----------------------------------------------------------------------------------------------
+# deterministic backward (issue #18)
+
+
+@pytest.mark.parametrize("B_kind,C_kind", [("grouped", "grouped"), ("fixed", "variable")])
+def test_scan_deterministic_backward_launcher(B_kind, C_kind):
+    """The partials path: several programs add into every accumulated gradient (2 batch rows; 4
+    blocks of 2 dims, 2 in each group of grouped B), partials poisoned with NaN. Equal to float64;
+    two runs bit-identical, the second accumulated onto ones (so exactly the first plus 1 in float32)."""
+    case = dict(dtype="float32", B=B_kind, C=C_kind, D=True, z=True, bias=True, softplus=True)
+    u, delta, A, B, C, D, z, bias = (t.detach() for t in _scan_inputs(case, dim=8, seqlen=11, groups=2))
+    batch, dim, seqlen = u.shape
+    dstate = A.shape[1]
+    plan = scan_kernels.scan_plan(seqlen, chunk=4, seg_chunks=2)
+    tiles = dict(plan=plan, block_d=2, dim_regs=1)
+    layout = scan_kernels.bwd_partials_layout(*triton_args(u, A, B, C, D, bias), **tiles)
+    assert layout["dA"][1:] == (batch, dim * dstate, 1)
+    if B_kind == "grouped":  # [batch * groups, 2 blocks a group, dstate * seqlen]
+        assert layout["dB"][1:] == (2, dstate * seqlen, batch * 2)
+    states = paddle.empty(list(scan_kernels.states_shape(batch, dim, dstate, plan)))
+    scan_kernels.selective_scan_fwd(*triton_args(u, delta, A, B, C, paddle.empty_like(u), D, z, bias, states),
+                                    delta_softplus=True, plan=plan)
+    dout = randn(u.shape)
+    runs = []
+    for start in (0.0, 1.0):
+        du, ddelta, dz = (paddle.full(u.shape, float("nan")) for _ in range(3))
+        work = paddle.full(list(scan_kernels.workspace_shape(batch, dim, dstate, plan)), float("nan"))
+        acc = [paddle.full(list(t.shape), start) for t in (A, B, C, D, bias)]
+        partials = paddle.full([layout["numel"]], float("nan"))
+        scan_kernels.selective_scan_bwd(*triton_args(u, delta, A, B, C, dout, states, work, du, ddelta, acc[0],
+                                                     acc[1], acc[2], D, z, bias, acc[3], dz, acc[4]),
+                                        delta_softplus=True, partials=triton_args(partials)[0], **tiles)
+        runs.append([t.numpy() for t in [du, ddelta, dz] + acc])
+    ins64 = [as_leaf64(t) for t in (u, delta, A, B, C, D, z, bias)]
+    y64, _ = scan64(*ins64, softplus=True)
+    grads64 = paddle.grad(y64, ins64, paddle.to_tensor(to64(dout)))
+    names = ["du", "ddelta", "dz", "dA", "dB", "dC", "dD", "ddelta_bias"]
+    order = [0, 1, 6, 2, 3, 4, 5, 7]  # grads64 follows (u, delta, A, B, C, D, z, bias)
+    for name, got, k in zip(names, runs[0], order):
+        assert_close(name, got.astype(np.float64), grads64[k].numpy(), "float32")
+    for name, first, second in zip(names, *runs):
+        want = first if name in ("du", "ddelta", "dz") else first + np.float32(1.0)
+        assert np.array_equal(second, want), name
+    with pytest.raises(ValueError, match="partials: expected shape"):
+        scan_kernels.selective_scan_bwd(*triton_args(u, delta, A, B, C, dout, states, work, du, ddelta, acc[0],
+                                                     acc[1], acc[2], D, z, bias, acc[3], dz, acc[4]),
+                                        delta_softplus=True, partials=triton_args(paddle.zeros([3]))[0], **tiles)
+
+
+def test_scan_deterministic_option_flag_and_routing(monkeypatch):
+    """deterministic=True, and None under FLAGS_cudnn_deterministic, hand the Triton scan backward a
+    partials workspace (and mamba_inner_fn's conv backward its workspace); False, the unset flag and a
+    call that cannot be differentiated do not. Gradients as float64's; anything but None or a bool is
+    a TypeError; the CUDA scan is routed around (an explicit ``cuda`` raises)."""
+    from paddlenlp_fused.runtime import backend as rb
+
+    seen = []
+    real_scan, real_conv = scan_kernels.selective_scan_bwd, conv_kernels.causal_conv1d_bwd
+    monkeypatch.setattr(scan_kernels, "selective_scan_bwd",
+                        lambda *a, **k: (seen.append(("scan", "partials" in k)), real_scan(*a, **k))[1])
+    monkeypatch.setattr(conv_kernels, "causal_conv1d_bwd",
+                        lambda *a, **k: (seen.append(("conv", k.get("workspace") is not None)), real_conv(*a, **k))[1])
+    ins = _scan_inputs(SCAN_CASES["variable"], seqlen=9)
+    grads = {}
+    for deterministic, env in ((None, None), (True, None), (False, "1"), (None, "1")):
+        if env is None:
+            monkeypatch.delenv("FLAGS_cudnn_deterministic", raising=False)
+        else:
+            monkeypatch.setenv("FLAGS_cudnn_deterministic", env)
+        out = selective_scan_fn(*ins, delta_softplus=True, backend="triton", deterministic=deterministic)
+        dout = randn(out.shape)
+        grads[(deterministic, env)] = (dout, _grads(out, ins, dout))
+    assert seen == [("scan", False), ("scan", True), ("scan", False), ("scan", True)]
+    dout, got = grads[(True, None)]
+    ins64 = [as_leaf64(t) for t in ins]
+    y64, _ = scan64(*ins64, softplus=True)
+    _check_all(["du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias"], got,
+               _grads(y64, ins64, paddle.to_tensor(to64(dout))), "float32")
+
+    seen.clear()
+    a = _inner_inputs(seqlen=7)
+    out = mamba_inner_fn(**a, backend="triton", deterministic=True)
+    paddle.grad(out, [a[n] for n in sorted(a)], randn(out.shape))
+    assert sorted(seen) == [("conv", True), ("scan", True)]
+    with paddle.no_grad():
+        assert not mamba_ops._deterministic_backward(True, ins[0])
+    assert not mamba_ops._deterministic_backward(True, ins[0].detach())
+    assert mamba_ops._deterministic_backward(True, ins[0])
+    for bad in (1, "yes"):
+        with pytest.raises(TypeError, match="deterministic: expected None, True or False"):
+            selective_scan_fn(*ins, backend="reference", deterministic=bad)
+    with pytest.raises(TypeError, match="deterministic"):
+        mamba_inner_fn(**a, backend="triton", deterministic=0)
+
+    why = _scan_unsupported(False, 2, 6, None, True)
+    assert why("cuda").startswith("deterministic (the CUDA backward adds dA, dB, dC") and why("triton") is None
+    monkeypatch.setattr(rb, "_warned", set())
+    monkeypatch.setattr(rb, "backend_status", lambda name, device: rb.BackendStatus(True, ""))
+    with pytest.warns(RuntimeWarning, match=r"falling back to the triton backend \(cuda: deterministic"):
+        assert rb.resolve_backend("selective_scan", "auto", "gpu", implemented=mamba_ops.SCAN_IMPLEMENTED,
+                                  unsupported=why, prefer=("cuda", "triton")) == "triton"
+    with pytest.raises(BackendUnavailableError, match="'cuda' does not support this call: deterministic"):
+        rb.resolve_backend("selective_scan", "cuda", "gpu", implemented=mamba_ops.SCAN_IMPLEMENTED, unsupported=why)
+    with pytest.warns(RuntimeWarning, match=r"falling back to the reference backend \(cuda: deterministic"):
+        assert rb.resolve_backend("selective_scan", "auto", "gpu", implemented=mamba_ops.SCAN_IMPLEMENTED,
+                                  unsupported=_scan_unsupported(True, 2, 3, None, True),
+                                  prefer=mamba_ops.COMPLEX_A_PREFER) == "reference"
+
+
+# ----------------------------------------------------------------------------------------------
 # causal conv1d
 
 CONV_CASES = {

@@ -25,6 +25,13 @@ Backends of the scan (``selective_scan_fn`` and the scan inside ``mamba_inner_fn
 with matmuls by Paddle, and ``reference`` (pure Paddle, float32). Complex A runs on the ``cuda`` and
 ``reference`` backends (``auto`` takes CUDA for it on the GPU, the reference with a warning where the
 CUDA library is not built); asking Triton for it raises ``BackendUnavailableError``.
+
+``deterministic`` (both ops; None follows ``FLAGS_cudnn_deterministic``, see
+``runtime/determinism.py``): the Triton backward stores its per-program sums of dA, dB, dC, dD and
+ddelta_bias (and the conv's weight gradients) in a float32 workspace and adds them in a fixed order
+instead of fp32 atomics, so two runs give bit-identical gradients. The CUDA backward uses atomics:
+``auto`` routes a call that can be differentiated around it (Triton; the reference for complex A, with
+a warning), an explicit ``backend="cuda"`` raises ``BackendUnavailableError``.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from ..kernels.triton.state_update import selective_state_update as state_update
 from ..reference import mamba as ref
 from ..runtime import tensor as T
 from ..runtime.backend import gpu_order, resolve_backend
+from ..runtime.determinism import deterministic_requested
 from ..runtime.triton_paddle import triton_args, triton_scoped
 from ._checks import check_tensor, contiguous, device_of
 from ._pylayer import (TritonPyLayer, add, cast_like, check_shape, empty_on, grads_for, mm, needs_grad, run_in_place,
@@ -130,17 +138,25 @@ def _cuda_dtype_issue(u, delta, z, A=None, B=None, C=None, D=None, delta_bias=No
     return None
 
 
-def _scan_unsupported(complex_A, batch, dstate, cuda_dtype_issue=None):
+def _scan_unsupported(complex_A, batch, dstate, cuda_dtype_issue=None, deterministic=False):
     """Why a GPU backend cannot take this scan (``resolve_backend``'s ``unsupported``), or None."""
     def why(name):
         if complex_A and name not in COMPLEX_A_BACKENDS:
             return f"complex A runs on the {' and '.join(COMPLEX_A_BACKENDS)} backends only"
+        if name == "cuda" and deterministic:
+            return "deterministic (the CUDA backward adds dA, dB, dC, dD and ddelta_bias with fp32 atomics)"
         if name == "cuda" and dstate > CUDA_MAX_DSTATE:
             return f"dstate {dstate} > {CUDA_MAX_DSTATE}"
         if name == "cuda" and batch > CUDA_MAX_BATCH:
             return f"batch {batch} > {CUDA_MAX_BATCH}"
         return cuda_dtype_issue if name == "cuda" else None
     return why
+
+
+def _deterministic_backward(deterministic, *tensors):
+    """Whether this call's backward must be deterministic: requested (``deterministic`` or the flag)
+    and a backward can follow (the forward kernels are deterministic on every backend)."""
+    return deterministic_requested(deterministic) and paddle.is_grad_enabled() and any(needs_grad(*tensors))
 
 
 def _scan_launch(backend, name, *tensors, **options):
@@ -165,9 +181,10 @@ def _scan_launch_fwd(backend, u, delta, A, B, C, D, z, delta_bias, delta_softplu
     return out, states, last, plan
 
 
-def _scan_launch_bwd(backend, saved, dout, plan, delta_softplus, want_out_z=False):
+def _scan_launch_bwd(backend, saved, dout, plan, delta_softplus, want_out_z=False, deterministic=False):
     """Gradients (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias) in float32 accumulators / input
-    dtypes, and the recomputed output when ``want_out_z``."""
+    dtypes, and the recomputed output when ``want_out_z``. ``deterministic`` (Triton only): the
+    accumulated gradients are summed in a fixed order (a float32 partials workspace)."""
     u, delta, A, B, C, D, z, delta_bias, states = saved
     batch, dim, seqlen = u.shape
     dstate = A.shape[1]
@@ -179,8 +196,12 @@ def _scan_launch_bwd(backend, saved, dout, plan, delta_softplus, want_out_z=Fals
     ddb = None if delta_bias is None else zeros32_on(delta_bias.shape, u)
     work_shape = _SCAN_KERNELS[backend].workspace_shape(batch, dim, dstate, plan)
     work = None if work_shape is None else empty_on(work_shape, "float32", u)
+    options = {}
+    if deterministic:
+        layout = scan_kernels.bwd_partials_layout(*triton_args(u, A, B, C, D, delta_bias), plan=plan)
+        options["partials"] = triton_args(empty_on([layout["numel"]], "float32", u))[0]
     _scan_launch(backend, "selective_scan_bwd", u, delta, A, B, C, contiguous(dout), states, work, du, ddelta, dA,
-                 dB, dC, D, z, delta_bias, dD, dz, ddb, out_z, delta_softplus=delta_softplus, plan=plan)
+                 dB, dC, D, z, delta_bias, dD, dz, ddb, out_z, delta_softplus=delta_softplus, plan=plan, **options)
     return du, ddelta, dA, dB, dC, dD, dz, ddb, out_z
 
 
@@ -193,14 +214,15 @@ def _accumulator(t, like):
 
 class SelectiveScanFunction(TritonPyLayer):
     @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state, backend):
+    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state, backend,
+                deterministic):
         ctx.needs_grad = needs_grad(u, delta, A, B, C, D, z, delta_bias)
         u, delta, A, B, C, D, z, delta_bias = (contiguous(t) for t in (u, delta, A, B, C, D, z, delta_bias))
         # the chunk states are only saved when a backward can follow
         out, states, last, plan = _scan_launch_fwd(backend, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
                                                    any(ctx.needs_grad), return_last_state)
         ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, states)
-        ctx.plan, ctx.delta_softplus, ctx.backend = plan, delta_softplus, backend
+        ctx.plan, ctx.delta_softplus, ctx.backend, ctx.deterministic = plan, delta_softplus, backend, deterministic
         if return_last_state:
             ctx.mark_non_differentiable(last)
             return out, last
@@ -211,25 +233,29 @@ class SelectiveScanFunction(TritonPyLayer):
         saved = ctx.saved_tensor()
         u, delta, A, B, C, D, z, delta_bias, _ = saved
         du, ddelta, dA, dB, dC, dD, dz, ddb, _ = _scan_launch_bwd(ctx.backend, saved, dout, ctx.plan,
-                                                                  ctx.delta_softplus)
+                                                                  ctx.delta_softplus, deterministic=ctx.deterministic)
         grads = [du, ddelta, cast_like(dA, A), cast_like(dB, B), cast_like(dC, C)]
         grads += [cast_like(g, t) for g, t in ((dD, D), (dz, z), (ddb, delta_bias)) if t is not None]
         return grads_for(ctx, grads)
 
 
 def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                      return_last_state=False, backend: str = "auto"):
-    """Mamba-1 selective scan (see the module docstring). Returns out, or (out, last_state)."""
+                      return_last_state=False, backend: str = "auto", deterministic=None):
+    """Mamba-1 selective scan (see the module docstring). Returns out, or (out, last_state).
+    ``deterministic``: None follows ``FLAGS_cudnn_deterministic``; True makes the gradients
+    bit-reproducible (no atomics; not on the CUDA backend)."""
     complex_A = _check_scan_args(u, delta, A, B, C, D, z, delta_bias)
+    deterministic = _deterministic_backward(deterministic, u, delta, A, B, C, D, z, delta_bias)
     # complex A tries CUDA first (Triton first would warn of a fallback on every such call)
     chosen = resolve_backend("selective_scan", backend, device_of(u), implemented=SCAN_IMPLEMENTED,
                              unsupported=_scan_unsupported(complex_A, u.shape[0], A.shape[1],
-                                                           _cuda_dtype_issue(u, delta, z, A, B, C, D, delta_bias)),
+                                                           _cuda_dtype_issue(u, delta, z, A, B, C, D, delta_bias),
+                                                           deterministic),
                              prefer=COMPLEX_A_PREFER if complex_A else SCAN_AUTO_ORDER)
     if chosen == "reference" or u.size == 0:
         return ref.selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state)
     return SelectiveScanFunction.apply(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus),
-                                       bool(return_last_state), chosen)
+                                       bool(return_last_state), chosen, deterministic)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -306,7 +332,7 @@ class MambaInnerFunction(TritonPyLayer):
     @staticmethod
     def forward(ctx, xz, conv_w, conv_b, x_proj_w, delta_proj_w, out_proj_w, out_proj_b, A, B, C, D, delta_bias,
                 B_proj_bias, C_proj_bias, b_rms_w, c_rms_w, dt_rms_w, rms_eps, delta_softplus, checkpoint_lvl,
-                backend):
+                backend, deterministic):
         # the launchers read these with their own strides assumed dense
         xz, conv_w, conv_b, A, D, delta_bias, B_proj_bias, C_proj_bias = (
             contiguous(t) for t in (xz, conv_w, conv_b, A, D, delta_bias, B_proj_bias, C_proj_bias))
@@ -327,7 +353,7 @@ class MambaInnerFunction(TritonPyLayer):
         keep = (conv_out, delta) if checkpoint_lvl == 0 else (None, None)
         ctx.save_for_backward(xz, conv_w, conv_b, x_proj_w, delta_proj_w, out_proj_w, out_proj_b, A, B, C, D,
                               delta_bias, B_proj_bias, C_proj_bias, b_rms_w, c_rms_w, dt_rms_w, x_dbl, states, *keep)
-        ctx.plan, ctx.delta_softplus, ctx.backend = plan, delta_softplus, backend
+        ctx.plan, ctx.delta_softplus, ctx.backend, ctx.deterministic = plan, delta_softplus, backend, deterministic
         ctx.needs_grad = needs_grad(xz, conv_w, conv_b, x_proj_w, delta_proj_w, out_proj_w, out_proj_b, A, B, C, D,
                                      delta_bias, B_proj_bias, C_proj_bias, b_rms_w, c_rms_w, dt_rms_w)
         return out
@@ -349,7 +375,7 @@ class MambaInnerFunction(TritonPyLayer):
         dout_z = mm(out_proj_w, dout, transpose_b=True)  # [batch, dim, seqlen]
         du, ddelta, dA, dB, dC, dD, dz, ddb, out_z = _scan_launch_bwd(
             ctx.backend, (conv_out, delta_n, A, B_n, C_n, D, z, delta_bias, states), dout_z, ctx.plan,
-            ctx.delta_softplus, True)
+            ctx.delta_softplus, True, ctx.deterministic)
         # back through the RMSNorms: gradients of the raw delta / B / C and of the norm weights
         d_dt_rms_w = d_b_rms_w = d_c_rms_w = None
         if dt_rms_w is not None:
@@ -379,7 +405,8 @@ class MambaInnerFunction(TritonPyLayer):
         d_delta_proj_w = _batch_sum_mm(x_dbl[:, :rank], ddelta)
         d_x_proj_w = _batch_sum_mm(conv_out, dx_dbl)
         dconv_out = add(du, mm(x_proj_w, dx_dbl))
-        dx, dconv_w, dconv_b, _ = conv_launch_bwd(x, conv_w, conv_b, None, None, dconv_out, "silu")
+        dx, dconv_w, dconv_b, _ = conv_launch_bwd(x, conv_w, conv_b, None, None, dconv_out, "silu",
+                                                  deterministic=ctx.deterministic)
         dxz = paddle.concat([dx, dz], axis=1)
         # a bias of a given B or C goes unused (mamba_ssm's): zero gradient
         dB_bias = None if B_proj_bias is None else cast_like(
@@ -454,7 +481,7 @@ def _unprojected(g, A):
 def mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight, out_proj_weight, out_proj_bias,
                    A, B=None, C=None, D=None, delta_bias=None, B_proj_bias=None, C_proj_bias=None,
                    delta_softplus=True, checkpoint_lvl=1, b_rms_weight=None, c_rms_weight=None, dt_rms_weight=None,
-                   b_c_dt_rms_eps=1e-6, is_paddle_linear=True, backend: str = "auto"):
+                   b_c_dt_rms_eps=1e-6, is_paddle_linear=True, backend: str = "auto", deterministic=None):
     """Mamba-1 inner block: xz ``[batch, 2 dim, seqlen]`` -> ``[batch, seqlen, d_model]`` (see the
     module docstring). conv1d_weight ``[dim, width]`` or ``[dim, 1, width]``; with
     ``is_paddle_linear`` x_proj_weight ``[dim, r + 2 dstate]`` (``r + dstate`` or ``r`` when B and/or
@@ -463,7 +490,8 @@ def mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_wei
     otherwise). ``b_rms_weight``/``c_rms_weight`` ``[dstate]``, ``dt_rms_weight`` ``[dim]``: RMSNorms
     (eps ``b_c_dt_rms_eps``) of the input-dependent B and C over dstate and of delta (before
     delta_bias) over dim, as Jamba uses them; real A only. The projection weights are cast to xz's
-    dtype (their gradients come back in their own)."""
+    dtype (their gradients come back in their own). ``deterministic``: as ``selective_scan_fn``'s (the
+    conv's weight gradients too)."""
     check_tensor("xz", xz)
     if xz.ndim != 3 or xz.shape[1] % 2:
         raise ValueError(f"xz: expected [batch, 2 * dim, seqlen], got shape {list(xz.shape)}")
@@ -523,9 +551,13 @@ def mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_wei
     if not isinstance(b_c_dt_rms_eps, (int, float)) or isinstance(b_c_dt_rms_eps, bool) or \
             not b_c_dt_rms_eps >= 0:
         raise ValueError(f"b_c_dt_rms_eps: expected a float >= 0, got {b_c_dt_rms_eps!r}")
+    deterministic = _deterministic_backward(
+        deterministic, xz, conv_w, conv1d_bias, x_proj_w, delta_proj_w, out_proj_w, out_proj_bias, A, B, C, D,
+        delta_bias, B_proj_bias, C_proj_bias, b_rms_weight, c_rms_weight, dt_rms_weight)
     chosen = resolve_backend("mamba_inner", backend, device_of(xz), implemented=SCAN_IMPLEMENTED,
                              unsupported=_scan_unsupported(complex_A, batch, A.shape[1],
-                                                           _cuda_dtype_issue(xz, None, None, A, B, C, D, delta_bias)),
+                                                           _cuda_dtype_issue(xz, None, None, A, B, C, D, delta_bias),
+                                                           deterministic),
                              prefer=COMPLEX_A_PREFER if complex_A else SCAN_AUTO_ORDER)
     if chosen == "reference" or xz.size == 0:
         return ref.mamba_inner_ref(xz, conv_w, conv1d_bias, x_proj_w, delta_proj_w, out_proj_w, out_proj_bias, A,
@@ -536,4 +568,4 @@ def mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_wei
     return MambaInnerFunction.apply(xz, conv_w, conv1d_bias, x_proj_w, delta_proj_w, out_proj_w, out_proj_bias, A,
                                     B, C, D, delta_bias, B_proj_bias, C_proj_bias, b_rms_weight, c_rms_weight,
                                     dt_rms_weight, float(b_c_dt_rms_eps), bool(delta_softplus), int(checkpoint_lvl),
-                                    chosen)
+                                    chosen, deterministic)

@@ -136,6 +136,32 @@ def test_triton_scan_launch_configs(provider, config):
     _check_scan(provider, t, True, dout, out, last, out_z, grads, dtype)
 
 
+# (batch, dim, seqlen, dstate, B/C kind, options): input-dependent B/C over 6 blocks of dims, fixed B/C
+# over 3 batch rows, grouped B/C over 3 blocks a group
+DETERMINISTIC_SHAPES = [(4, 96, 1000, 16, "variable", True), (3, 64, 777, 8, "fixed", True),
+                        (2, 48, 257, 16, "grouped", False)]
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+@pytest.mark.parametrize("shape", DETERMINISTIC_SHAPES, ids=str)
+def test_triton_scan_deterministic_backward_bit_identical(provider, shape, dtype):
+    """The partials path (each program's sums in its own workspace slot, then a fixed-order add):
+    several programs add into every accumulated gradient (batch rows; blocks of dims of a group for
+    input-dependent B/C); within float64's bounds, and two runs bit-identical in every gradient."""
+    batch, dim, seqlen, dstate, kind, options = shape
+    t = _scan_tensors(provider, batch, dim, seqlen, dstate, kind, options, dtype)
+    dout = provider.randn((batch, dim, seqlen), dtype)
+    layout = scan_kernels.bwd_partials_layout(t["u"], t["A"], t["B"], t["C"], t["D"], t["delta_bias"])
+    runs = []
+    for _ in range(2):
+        partials = provider.poisoned((layout["numel"],), "float32")  # contents ignored
+        out, last, out_z, grads = _run_scan(provider, "triton", t, options, dout, bwd_options=dict(partials=partials))
+        runs.append({name: provider.to_numpy(g) for name, g in grads.items() if g is not None})
+    _check_scan(provider, t, options, dout, out, last, out_z, grads, dtype)
+    for name in runs[0]:
+        assert np.array_equal(runs[0][name], runs[1][name]), f"{name}: two deterministic runs differ"
+
+
 def _each_backend(provider, t, dout, check):
     """Runs every backend on the same tensors and ``check``s it; the failures of all are reported."""
     failures = []

@@ -26,8 +26,10 @@ state and scans the adjoint ``g_t = C_t dy_t + exp(dt_{t+1} A) g_{t+1}`` backwar
 step t + 1 is the chunk's own decay tile shifted by one step, plus the first decay of the chunk
 after it, carried with ``g``). With ``gB = sum_n g B`` and ``q = g exp(dt A) h_{t-1}``: du = dt gB +
 D dy, ddt = (u gB + sum_n A q) softplus'(.), dA = sum_t dt q. Gradients that sum over programs (dA,
-dD, ddelta_bias, fixed dB/dC; input-dependent dB/dC over the dims of a group) are accumulated with
-fp32 atomics into zero-initialised buffers that the caller provides.
+dD, ddelta_bias, fixed dB/dC over the batch; input-dependent dB/dC over the dims of a group) are
+accumulated with fp32 atomics into zero-initialised buffers that the caller provides, or
+(``partials``: deterministic) stored per program in a float32 workspace and added in a fixed order
+(``partial_sums.add_parts``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import triton
 import triton.language as tl
 
 from ...runtime import tensor as T
+from .partial_sums import add_parts
 
 # The interpreter runs no inline PTX: it takes tl.log2 where the GPU takes MUFU's lg2 (see _log2).
 _INTERPRET = tl.constexpr(bool(triton.knobs.runtime.interpret))
@@ -176,6 +179,12 @@ def _add_over_dims(ptrs, x, mask):
 
 
 @triton.jit
+def _store_over_dims(ptrs, x, mask):
+    """``_add_over_dims`` for the deterministic mode: ptrs is this program's own partial row."""
+    tl.store(ptrs, tl.sum(tl.sum(x, axis=1), axis=2), mask=mask)
+
+
+@triton.jit
 def _chunk_inputs(c, u_col, dt_col, B_ptr, b64, group, d64, n, steps, mask_d, mask_n, seqlen,
                   s_u_l, s_dt_l, s_B_b, s_B_g, s_B_d, s_B_n, s_B_l, B_VARIABLE: tl.constexpr, CHUNK: tl.constexpr):
     """(u, delta, B) of chunk c as stored: what its states need."""
@@ -305,7 +314,10 @@ def _selective_scan_bwd_kernel(
         s_dB_b, s_dB_g, s_dB_d, s_dB_n, s_dB_l, s_dC_b, s_dC_g, s_dC_d, s_dC_n, s_dC_l,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DELTA_BIAS: tl.constexpr, DELTA_SOFTPLUS: tl.constexpr,
         B_VARIABLE: tl.constexpr, C_VARIABLE: tl.constexpr, STORE_OUT_Z: tl.constexpr, R: tl.constexpr,
-        L: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+        L: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+        part_ptr=None, ofs_dA=0, ofs_dB=0, ofs_dC=0, ofs_dD=0, ofs_ddb=0, DETERMINISTIC: tl.constexpr = False):
+    # DETERMINISTIC: part_ptr is the float32 partials workspace (``bwd_partials_layout``); each sum
+    # over programs goes to this program's own slot there instead of an atomic
     b64 = tl.program_id(1).to(tl.int64)
     d, d64, mask_d, n, mask_n, steps, group, mask_nd = _program_tiles(dim, dstate, dim_per_group, R, L, BLOCK_N,
                                                                       CHUNK)
@@ -335,6 +347,8 @@ def _selective_scan_bwd_kernel(
     dC_acc = tl.zeros([R, BLOCK_N, L], dtype=tl.float32)
     dD_acc = tl.zeros([R, L], dtype=tl.float32)
     ddb_acc = tl.zeros([R, L], dtype=tl.float32)
+    if DETERMINISTIC:  # input-dependent dB/dC: one [dstate, seqlen] row per (batch, block of dims)
+        bc_row = (b64 * tl.num_programs(0) + tl.program_id(0)) * dstate * seqlen
     for si in range(num_segments):
         seg = num_segments - 1 - si
         # pass 1: the segment's chunk-start states, from the state saved at the previous segment's end.
@@ -418,29 +432,47 @@ def _selective_scan_bwd_kernel(
             dA_acc += tl.sum(q * dt[:, :, None, :], axis=0)
 
             mask_tn = mask_t[:, None] & mask_n[None, :]
-            if B_VARIABLE:
+            if B_VARIABLE and DETERMINISTIC:
+                _store_over_dims(part_ptr + ofs_dB + bc_row + n[None, :] * seqlen + t64[:, None],
+                                 g * dtu[:, :, None, :], mask_tn)
+            elif B_VARIABLE:
                 _add_over_dims(dB_ptr + b64 * s_dB_b + group * s_dB_g + t64[:, None] * s_dB_l + n[None, :] * s_dB_n,
                                g * dtu[:, :, None, :], mask_tn)
             else:
                 dB_acc += tl.sum(g * dtu[:, :, None, :], axis=0)
-            if C_VARIABLE:
+            if C_VARIABLE and DETERMINISTIC:
+                _store_over_dims(part_ptr + ofs_dC + bc_row + n[None, :] * seqlen + t64[:, None],
+                                 hs * dy[:, :, None, :], mask_tn)
+            elif C_VARIABLE:
                 _add_over_dims(dC_ptr + b64 * s_dC_b + group * s_dC_g + t64[:, None] * s_dC_l + n[None, :] * s_dC_n,
                                hs * dy[:, :, None, :], mask_tn)
             else:
                 dC_acc += tl.sum(hs * dy[:, :, None, :], axis=0)
         tl.debug_barrier()  # pass 1 of the previous segment overwrites the workspace
 
-    tl.atomic_add(dA_ptr + n[None, :, None] + d64[:, None, :] * dstate, dA_acc, mask=mask_nd, sem="relaxed")
-    if not B_VARIABLE:
-        tl.atomic_add(dB_ptr + n[None, :, None] * s_dB_n + d64[:, None, :] * s_dB_d, dB_acc, mask=mask_nd,
-                      sem="relaxed")
-    if not C_VARIABLE:
-        tl.atomic_add(dC_ptr + n[None, :, None] * s_dC_n + d64[:, None, :] * s_dC_d, dC_acc, mask=mask_nd,
-                      sem="relaxed")
-    if HAS_D:
-        tl.atomic_add(dD_ptr + d, dD_acc, mask=mask_d, sem="relaxed")
-    if HAS_DELTA_BIAS:
-        tl.atomic_add(ddelta_bias_ptr + d, ddb_acc, mask=mask_d, sem="relaxed")
+    if DETERMINISTIC:  # the sums over the batch: one [dim, dstate] (or [dim]) slot per batch row
+        nd = n[None, :, None] + d64[:, None, :] * dstate
+        tl.store(part_ptr + ofs_dA + b64 * dim * dstate + nd, dA_acc, mask=mask_nd)
+        if not B_VARIABLE:
+            tl.store(part_ptr + ofs_dB + b64 * dim * dstate + nd, dB_acc, mask=mask_nd)
+        if not C_VARIABLE:
+            tl.store(part_ptr + ofs_dC + b64 * dim * dstate + nd, dC_acc, mask=mask_nd)
+        if HAS_D:
+            tl.store(part_ptr + ofs_dD + b64 * dim + d, dD_acc, mask=mask_d)
+        if HAS_DELTA_BIAS:
+            tl.store(part_ptr + ofs_ddb + b64 * dim + d, ddb_acc, mask=mask_d)
+    else:
+        tl.atomic_add(dA_ptr + n[None, :, None] + d64[:, None, :] * dstate, dA_acc, mask=mask_nd, sem="relaxed")
+        if not B_VARIABLE:
+            tl.atomic_add(dB_ptr + n[None, :, None] * s_dB_n + d64[:, None, :] * s_dB_d, dB_acc, mask=mask_nd,
+                          sem="relaxed")
+        if not C_VARIABLE:
+            tl.atomic_add(dC_ptr + n[None, :, None] * s_dC_n + d64[:, None, :] * s_dC_d, dC_acc, mask=mask_nd,
+                          sem="relaxed")
+        if HAS_D:
+            tl.atomic_add(dD_ptr + d, dD_acc, mask=mask_d, sem="relaxed")
+        if HAS_DELTA_BIAS:
+            tl.atomic_add(ddelta_bias_ptr + d, ddb_acc, mask=mask_d, sem="relaxed")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -627,15 +659,47 @@ def selective_scan_fwd(u, delta, A, B, C, out, D=None, z=None, delta_bias=None, 
         R=regs, L=lanes, BLOCK_N=block_n, CHUNK=plan.chunk, num_warps=num_warps)
 
 
+def bwd_partials_layout(u, A, B, C, D=None, delta_bias=None, plan: ScanPlan | None = None, block_d=None,
+                        dim_regs=BWD_DIM_REGS) -> dict:
+    """Where a deterministic backward puts its per-program sums in the float32 ``partials`` workspace
+    of ``selective_scan_bwd``: {gradient: (offset, parts, inner, outer)}, each a contiguous
+    ``[outer, parts, inner]`` block, and "numel" (the workspace's size). dA, fixed dB/dC, dD and
+    ddelta_bias take one slot per batch row (``batch * dim * dstate`` or ``batch * dim`` floats);
+    an input-dependent dB/dC one ``[dstate, seqlen]`` row per (batch, block of dims): (dim /
+    block_d) times its own size."""
+    batch, dim, seqlen = T.shape(u)
+    dstate = T.shape(A)[1]
+    B_lay = bc_layout("B", B, batch, dim, dstate, seqlen)
+    C_lay = bc_layout("C", C, batch, dim, dstate, seqlen)
+    groups = _groups(B_lay, C_lay)
+    plan = plan or scan_plan(seqlen)
+    regs, lanes, _, _ = _blocks(dim, dstate, groups, plan.bwd_chunk, BWD_ELEMS_PER_THREAD, block_d, None, dim_regs)
+    dim_blocks = triton.cdiv(dim, regs * lanes)
+    layout, numel = {}, 0
+    sections = [("dA", batch, dim * dstate, 1)]
+    for name, lay in (("dB", B_lay), ("dC", C_lay)):
+        # variable: the dim blocks of a group are its parts ([batch * groups, blocks a group, ...])
+        sections.append((name, dim_blocks // groups, dstate * seqlen, batch * groups) if lay[0]
+                        else (name, batch, dim * dstate, 1))
+    sections += [(name, batch, dim, 1) for name, t in (("dD", D), ("ddelta_bias", delta_bias)) if t is not None]
+    for name, parts, inner, outer in sections:
+        layout[name] = (numel, parts, inner, outer)
+        numel += outer * parts * inner
+    layout["numel"] = numel
+    return layout
+
+
 def selective_scan_bwd(u, delta, A, B, C, dout, states, workspace, du, ddelta, dA, dB, dC, D=None, z=None,
                        delta_bias=None, dD=None, dz=None, ddelta_bias=None, out_z=None,
                        delta_softplus: bool = False, plan: ScanPlan | None = None, block_d=None,
-                       num_warps=None, dim_regs=BWD_DIM_REGS) -> None:
+                       num_warps=None, dim_regs=BWD_DIM_REGS, partials=None) -> None:
     """Gradients of the scan. Written in place: du, ddelta [b, d, l], dz (when z is given) and
     out_z = the forward output recomputed (optional, with z). Accumulated (+=, float32, the caller
     zeroes them): dA [d, n] contiguous, dB/dC shaped like B/C, dD and ddelta_bias [d] (when D /
     delta_bias are given). ``states`` and ``plan`` are the forward's; ``workspace`` is float32
-    ``workspace_shape(..., plan)``."""
+    ``workspace_shape(..., plan)``. ``partials`` (float32 contiguous ``[bwd_partials_layout(...)
+    ["numel"]]``, contents ignored) makes the accumulated gradients deterministic: per-program sums
+    there, then added in a fixed order, instead of fp32 atomics (dB/dC must then be contiguous)."""
     batch, dim, seqlen, dstate, groups, B_lay, C_lay = _scan_args(u, delta, A, B, C, D, z, delta_bias)
     for name, t in (("dout", dout), ("du", du), ("ddelta", ddelta), ("dz", dz), ("out_z", out_z)):
         _check_seq(name, t, batch, dim, seqlen)
@@ -651,6 +715,15 @@ def selective_scan_bwd(u, delta, A, B, C, dout, states, workspace, du, ddelta, d
                                               num_warps, dim_regs)
     _check_f32_buffer("states", states, states_shape(batch, dim, dstate, plan))
     _check_f32_buffer("workspace", workspace, workspace_shape(batch, dim, dstate, plan))
+    flags = {}  # the default build stays as it was
+    if partials is not None:
+        layout = bwd_partials_layout(u, A, B, C, D, delta_bias, plan, block_d, dim_regs)
+        _check_f32_buffer("partials", partials, (layout["numel"],))
+        for name, t in (("dB", dB), ("dC", dC)):
+            T.check_contiguous(name, t)
+        flags = dict(part_ptr=partials, ofs_dA=layout["dA"][0], ofs_dB=layout["dB"][0], ofs_dC=layout["dC"][0],
+                     ofs_dD=layout.get("dD", (0,))[0], ofs_ddb=layout.get("ddelta_bias", (0,))[0],
+                     DETERMINISTIC=True)
     if batch * dim * seqlen == 0:
         return
     _selective_scan_bwd_kernel[(triton.cdiv(dim, regs * lanes), batch)](
@@ -663,12 +736,18 @@ def selective_scan_bwd(u, delta, A, B, C, dout, states, workspace, du, ddelta, d
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DELTA_BIAS=delta_bias is not None,
         DELTA_SOFTPLUS=bool(delta_softplus), B_VARIABLE=B_lay[0], C_VARIABLE=C_lay[0],
         STORE_OUT_Z=out_z is not None, R=regs, L=lanes, BLOCK_N=block_n,
-        CHUNK=plan.bwd_chunk, num_warps=num_warps)
+        CHUNK=plan.bwd_chunk, num_warps=num_warps, **flags)
+    if partials is not None:
+        for name, grad in (("dA", dA), ("dB", dB), ("dC", dC), ("dD", dD), ("ddelta_bias", ddelta_bias)):
+            if grad is not None:
+                offset, parts, inner, outer = layout[name]
+                add_parts(partials, grad, parts, inner, outer, part_offset=offset)
 
 
 def compile_cases():
     """The canonical case (variable B/C, D, z, delta_bias, softplus) in each dtype, the fixed-B/C,
-    grouped and plain (no D/z/bias) variants in bf16."""
+    grouped and plain (no D/z/bias) variants in bf16; the deterministic backward (variable and
+    fixed B/C) in bf16."""
     S = T.SpecTensor
     batch, dim, seqlen, dstate = 8, 4096, 2048, 16
     plan = scan_plan(seqlen)
@@ -692,7 +771,11 @@ def compile_cases():
         dD, ddb = (S((dim,), "float32"), S((dim,), "float32")) if kind != "plain" else (None, None)
         yield f"selective_scan_fwd[{dtype},{kind}]", lambda a=(u, delta, A, Bs, Cs, out, D, z, bias, states, last): \
             selective_scan_fwd(*a, delta_softplus=kind != "plain")
+        bwd_args = (u, delta, A, Bs, Cs, out, states, work, du, ddelta, dA, dB, dC, D, z, bias, dD, dz, ddb,
+                    out if z is not None else None)
         yield f"selective_scan_bwd[{dtype},{kind}]", \
-            lambda a=(u, delta, A, Bs, Cs, out, states, work, du, ddelta, dA, dB, dC, D, z, bias, dD, dz, ddb,
-                      out if z is not None else None): \
-            selective_scan_bwd(*a, delta_softplus=kind != "plain")
+            lambda a=bwd_args: selective_scan_bwd(*a, delta_softplus=kind != "plain")
+        if dtype == "bfloat16" and kind in ("variable", "fixed"):
+            parts = S((bwd_partials_layout(u, A, Bs, Cs, D, bias, plan)["numel"],), "float32")
+            yield f"selective_scan_bwd[{dtype},{kind},deterministic]", \
+                lambda a=bwd_args, p=parts: selective_scan_bwd(*a, delta_softplus=True, partials=p)
