@@ -285,9 +285,11 @@ def test_cuda_paths_accumulate_fresh_gradients(backend, monkeypatch):
         assert_close("accumulated fp32 dW", got_fp32, 2 * one, "bfloat16", baseline_err=4e-3)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("transpose_y", [True, False])
-def test_launchers_write_every_element(transpose_y):
-    """Outputs and workspaces poisoned with NaN; values against the reference stages."""
+def test_launchers_write_every_element(transpose_y, deterministic):
+    """Outputs and workspaces poisoned with NaN; values against the reference stages. Deterministic:
+    the bias gradient through the per-token-block partials (2 blocks of tokens, 3 vocabulary chunks)."""
     dtype, n_tok, D, V, start = "bfloat16", 21, 40, 90, 30  # this 'rank' holds ids [30, 120)
     hidden, weight, bias, labels = _inputs(dtype, (n_tok,), D, V, transpose_y, bias=True)
     labels = paddle.to_tensor(np.random.randint(0, 150, n_tok).astype(np.int64))
@@ -312,8 +314,10 @@ def test_launchers_write_every_element(transpose_y):
     dh, dw, db = nan((n_tok, D), dtype), nan(weight.shape, dtype), nan((V,), dtype)
     work = (nan(ws.g, dtype), nan(ws.lo, dtype), paddle.full(list(ws.flags), 7, dtype="int8"),
             paddle.zeros(list(ws.dbias), dtype="float32"))
+    parts = {"dbias_parts": triton_args(nan(ws.dbias_parts))[0]} if deterministic else {}
     K.lce_backward(*triton_args(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, dh, dw, db, *work),
-                   transpose_y=transpose_y, vocab_start=start, vocab_total=150, softcap=5.0, label_smoothing=0.1)
+                   transpose_y=transpose_y, vocab_start=start, vocab_total=150, softcap=5.0, label_smoothing=0.1,
+                   **parts)
     # The reference on float32 copies of the same values: its gradients unrounded, not a second bf16 rounding.
     h32, w32, b32 = (t.astype("float32") for t in (hidden, weight, bias))
     want = ref.grads_ref(h32, w32, labels, b32, lse, coef_p * 0.25, coef_y * 0.25, transpose_y=transpose_y,
@@ -322,10 +326,12 @@ def test_launchers_write_every_element(transpose_y):
         assert_close(name, got.astype("float32").numpy(), exp.numpy(), dtype, baseline_err=4e-3)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("transpose_y", [True, False])
-def test_chunked_launchers_write_every_element(transpose_y):
+def test_chunked_launchers_write_every_element(transpose_y, deterministic):
     """The lean and bounded launchers (host_gemm for cuBLASLt) with outputs and workspaces poisoned with
-    NaN, odd last token blocks and vocabulary chunks, a vocabulary shard; against the reference stages."""
+    NaN, odd last token blocks and vocabulary chunks, a vocabulary shard; against the reference stages.
+    Deterministic: the bias gradient through the partials workspace."""
     dtype, n_tok, D, V, start, total = "bfloat16", 23, 40, 90, 30, 150
     hidden, weight, bias, labels = _inputs(dtype, (n_tok,), D, V, transpose_y, bias=True)
     labels = paddle.to_tensor(np.random.randint(0, total, n_tok).astype(np.int64))
@@ -344,9 +350,13 @@ def test_chunked_launchers_write_every_element(transpose_y):
     coef_p = paddle.to_tensor(np.random.uniform(-1, 1, n_tok).astype(np.float32))
     coef_y = paddle.to_tensor(np.random.uniform(-1, 1, n_tok).astype(np.float32))
     dh, dw, db = nan((n_tok, D), dtype), nan(weight.shape, dtype), nan((V,), dtype)
+
+    def parts(plan):
+        return {"dbias_parts": triton_args(nan(K.chunk_dbias_parts_shape(plan)))[0]} if deterministic else {}
+
     K.lean_backward(host_gemm, *triton_args(hidden, weight, labels, bias, lse, coef_p, coef_y), 0.25,
                     *triton_args(dh, dw, db, work["logits"], work["g"], work["dh_acc"], paddle.zeros([V])),
-                    plan=plan, vocab_total=total, label_smoothing=0.1, **opts)
+                    plan=plan, vocab_total=total, label_smoothing=0.1, **opts, **parts(plan))
     want = ref.grads_ref(h32, w32, labels, b32, lse, coef_p * 0.25, coef_y * 0.25, vocab_total=total,
                          label_smoothing=0.1, **opts)
     for name, got, exp in zip(("dh", "dw", "db"), (dh, dw, db), want):
@@ -358,7 +368,8 @@ def test_chunked_launchers_write_every_element(transpose_y):
     dh, dw, dbias_acc = nan((n_tok, D), dtype), nan(weight.shape, dtype), paddle.zeros([V])
     K.bounded_forward(host_gemm, *triton_args(hidden, weight, labels, bias, nan((bplan.tokens, bplan.ld), dtype),
                                               nan((3, bplan.tokens)), loss, flag, dh, dw, dbias_acc),
-                      plan=bplan, alpha=0.5, vocab_total=total, label_smoothing=0.1, z_loss=0.01, **opts)
+                      plan=bplan, alpha=0.5, vocab_total=total, label_smoothing=0.1, z_loss=0.01, **opts,
+                      **parts(bplan))
     assert int(flag) == -100
     # the reference on the bf16-rounded logits the bounded path keeps: lse, then G with its coefficients
     rounded = paddle.matmul(h32, w32, transpose_y=transpose_y).astype(dtype).astype("float32")
@@ -376,6 +387,38 @@ def test_chunked_launchers_write_every_element(transpose_y):
     got_dw = dw.astype("float32").numpy() if transpose_y else dw.astype("float32").numpy().T
     assert_close("bounded dw", got_dw, want_dw.numpy(), dtype, baseline_err=4e-3)
     assert_close("bounded dbias", dbias_acc.numpy() * 0.5, gb[2].numpy(), "float32")
+
+
+@pytest.mark.parametrize("backend", ("triton", "cuda-lean", "cuda-bounded"))
+def test_deterministic_bias_gradient(backend, monkeypatch):
+    """deterministic=True, and None under FLAGS_cudnn_deterministic, hand every path's launcher a
+    dbias_parts workspace (False and the unset flag do not); the gradients stay within the float64
+    composition's bounds (45 tokens: several token blocks add into each bias element); anything but
+    None or a bool is a TypeError."""
+    launcher = {"triton": "lce_backward", "cuda-lean": "lean_backward", "cuda-bounded": "bounded_forward"}[backend]
+    seen = []
+    real = getattr(K, launcher)
+    monkeypatch.setattr(K, launcher, lambda *a, **k: (seen.append(k.get("dbias_parts") is not None), real(*a, **k))[1])
+    backend, extra = _cuda_stand_in(monkeypatch, backend)
+    hidden, weight, bias, labels = _inputs("float32", (45,), 24, 150, True, bias=True)
+    opts = dict(transpose_y=True, label_smoothing=0.1, softcap=4.0, backend=backend, **extra)
+    leaves = [_leaf(t) for t in (hidden, weight, bias)]
+    grads64 = paddle.grad(_plain(leaves[0], leaves[1], labels, leaves[2], transpose_y=True, label_smoothing=0.1,
+                                 softcap=4.0)[0], leaves)
+    for deterministic, env in ((True, None), (None, "1"), (False, "1"), (None, None)):
+        if env is None:
+            monkeypatch.delenv("FLAGS_cudnn_deterministic", raising=False)
+        else:
+            monkeypatch.setenv("FLAGS_cudnn_deterministic", env)
+        loss = linear_cross_entropy(hidden, weight, labels, bias, deterministic=deterministic, **opts)
+        grads = paddle.grad(loss, [hidden, weight, bias])
+        if deterministic:
+            for name, g, g64 in zip(("dhidden", "dweight", "dbias"), grads, grads64):
+                assert_close(name, g.numpy(), g64.numpy(), "float32")
+    assert seen == [True, True, False, False]
+    for bad in (1, "true"):
+        with pytest.raises(TypeError, match="deterministic: expected None, True or False"):
+            linear_cross_entropy(hidden, weight, labels, bias, deterministic=bad, **opts)
 
 
 def test_layer_own_and_tied_weights():

@@ -20,6 +20,12 @@ Backends and paths:
   with a filter on the ``cuda`` backend runs here.
 - ``reference``: pure Paddle, float32, blockwise over tokens (CPU fallback).
 
+``deterministic`` (None follows ``FLAGS_cudnn_deterministic``, see ``runtime/determinism.py``): the
+bias gradient, the one gradient the kernels add with fp32 atomics, is summed in a fixed order instead
+(a float32 workspace of one row of column sums per token block of a logits chunk, and one small
+fixed-order sum launch per chunk), on the ``triton`` and ``cuda`` backends alike; dh and dW accumulate
+in order on every path already. Without a bias it changes nothing.
+
 A label outside ``[0, V)`` (and not ``ignore_index``) raises the same ``ValueError`` on every backend:
 the reference checks before computing; the kernels store any such label in a flag the op reads once
 per call.
@@ -38,6 +44,7 @@ from ..kernels.triton import linear_cross_entropy as kernels
 from ..reference import linear_cross_entropy as ref
 from ..runtime import tensor as T
 from ..runtime.backend import resolve_backend
+from ..runtime.determinism import deterministic_requested
 from ..runtime.triton_paddle import triton_args
 from ._checks import check_tensor, contiguous, device_of
 from ._pylayer import TritonPyLayer
@@ -61,6 +68,7 @@ class _Options(NamedTuple):
     max_workspace_bytes: Optional[int]
     pg: object  # comm.ParallelGroup or None
     shard: vocab_parallel.VocabShard
+    deterministic: bool = False  # the bias gradient summed in a fixed order (no atomics)
 
 
 def _empty(shape, dtype, like):
@@ -140,6 +148,7 @@ def _triton_grads(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, o: _
     lo = _empty(ws.lo, hidden.dtype, hidden) if ws.lo else None
     flags = _empty(ws.flags, "int8", hidden)
     dbias_acc = paddle.zeros(list(ws.dbias), dtype="float32", device=hidden.place) if bias is not None else None
+    dbias_parts = _empty(ws.dbias_parts, "float32", hidden) if bias is not None and o.deterministic else None
     dh = _empty([n_tok, D], hidden.dtype, hidden)
     dw = _empty(weight.shape, weight.dtype, weight)
     db = _empty(bias.shape, bias.dtype, bias) if bias is not None else None
@@ -147,7 +156,8 @@ def _triton_grads(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, o: _
                                       flags, dbias_acc),
                          transpose_y=o.transpose_y, vocab_start=o.shard.start, vocab_total=o.shard.total,
                          softcap=o.softcap, label_smoothing=o.label_smoothing, filter_eps=o.filter_eps,
-                         filter_dh=o.filter_dh, filter_dw=o.filter_dw)
+                         filter_dh=o.filter_dh, filter_dw=o.filter_dw,
+                         dbias_parts=None if dbias_parts is None else triton_args(dbias_parts)[0])
     return dh, dw, db
 
 
@@ -165,10 +175,13 @@ def _cuda_grads(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, o: _Op
     need_db = bias is not None and need[2]
     db = _empty(bias.shape, bias.dtype, bias) if need_db else None
     dbias_acc = paddle.zeros([bias.shape[0]], dtype="float32", device=bias.place) if need_db else None
+    dbias_parts = _empty(kernels.chunk_dbias_parts_shape(plan), "float32", hidden) if need_db and o.deterministic \
+        else None
     kernels.lean_backward(gemm, *triton_args(hidden, weight, labels, bias, lse, coef_p, coef_y), float(scale),
                           *triton_args(dh, dw, db, logits, g, dh_acc, dbias_acc), plan=plan,
                           transpose_y=o.transpose_y, vocab_start=o.shard.start, vocab_total=o.shard.total,
-                          softcap=o.softcap, label_smoothing=o.label_smoothing)
+                          softcap=o.softcap, label_smoothing=o.label_smoothing,
+                          dbias_parts=None if dbias_parts is None else triton_args(dbias_parts)[0])
     if dw is not None and dw.dtype != weight.dtype:
         dw = dw.astype(weight.dtype)
     return dh, dw, db
@@ -271,6 +284,8 @@ class BoundedLinearCrossEntropyFunction(TritonPyLayer):
         dh = _empty([n_tok, D], hidden.dtype, hidden) if need[0] else None
         dw = _dw_buffer(weight, o, need[1])
         dbias_acc = paddle.zeros([V], dtype="float32", device=hidden.place) if bias is not None else None
+        dbias_parts = _empty(kernels.chunk_dbias_parts_shape(plan), "float32", hidden) \
+            if bias is not None and o.deterministic else None
         combine = None
         if o.pg is not None:
             combine = lambda _: triton_args(vocab_parallel.combine_stats(stats, o.pg))[0]  # noqa: E731
@@ -278,7 +293,8 @@ class BoundedLinearCrossEntropyFunction(TritonPyLayer):
                                                    dbias_acc),
                                 plan=plan, alpha=alpha, combine=combine, transpose_y=o.transpose_y,
                                 vocab_start=o.shard.start, vocab_total=o.shard.total, ignore_index=o.ignore_index,
-                                softcap=o.softcap, label_smoothing=o.label_smoothing, z_loss=o.z_loss)
+                                softcap=o.softcap, label_smoothing=o.label_smoothing, z_loss=o.z_loss,
+                                dbias_parts=None if dbias_parts is None else triton_args(dbias_parts)[0])
         _raise_bad_label(flag, o)
         del logits
         if dw is not None and dw.dtype != weight.dtype:
@@ -422,7 +438,7 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
                          label_smoothing=0.0, z_loss=0.0, softcap=None, shift=False, transpose_y=None,
                          return_lse=False, tp_group=None, backend="auto", *, sequence_parallel=False,
                          max_workspace_gib=None, filter_eps=None, filter_e_grad=True, filter_c_grad=True,
-                         accum_c_fp32=False, vocab_chunk=None):
+                         accum_c_fp32=False, vocab_chunk=None, deterministic=None):
     """Cross-entropy of ``logits = hidden @ weight^T (+ bias)`` without holding the logits.
 
     hidden ``[..., D]`` (float32/float16/bfloat16); weight ``[V, D]`` with ``transpose_y=True`` (tied
@@ -444,7 +460,8 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
     (``filter_c_grad``) gradient GEMMs; a call with a filter runs on the ``triton`` backend.
     ``accum_c_fp32``: the cuda paths accumulate dW over token blocks in an fp32 buffer of the weight's
     size (else in the weight's dtype). ``vocab_chunk``: vocabulary rows per chunk (triton backward,
-    cuda lean path).
+    cuda lean path). ``deterministic``: None follows ``FLAGS_cudnn_deterministic``; True sums the
+    bias gradient in a fixed order (the others accumulate in a fixed order already).
     """
     V, steps, transpose_y = _check_args(hidden, weight, labels, bias, reduction, label_smoothing, z_loss, softcap,
                                         shift, transpose_y)
@@ -452,6 +469,7 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
     filter_e_grad, filter_c_grad = _check_flag("filter_e_grad", filter_e_grad), _check_flag("filter_c_grad",
                                                                                             filter_c_grad)
     accum_c_fp32 = _check_flag("accum_c_fp32", accum_c_fp32)
+    deterministic = deterministic_requested(deterministic)
     if workspace_bytes is not None:  # the same error on every backend, also where the bound goes unused
         n_tok = 1
         for size in hidden.shape[:-1]:
@@ -474,7 +492,7 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
         weight = contiguous(weight)
     opts = _Options(chosen, transpose_y, int(ignore_index), float(label_smoothing), float(z_loss),
                     None if softcap is None else float(softcap), eps, filter_e_grad, filter_c_grad, accum_c_fp32,
-                    vocab_chunk, workspace_bytes, pg, shard)
+                    vocab_chunk, workspace_bytes, pg, shard, deterministic)
     if chosen == "cuda" and workspace_bytes is not None and hidden2d.shape[0]:
         wants_grad = paddle.is_grad_enabled() and any(_needs(hidden2d, weight, bias))
         if reduction != "none" and not return_lse and wants_grad:

@@ -41,7 +41,10 @@ def _reference(h, w_vd, b, labels, coef_p, coef_y, scale, softcap, eps, z):
     return np.stack([lse, tgt, total]), loss, g @ w_vd, g.T @ h, g.sum(axis=0)
 
 
-def _run(provider, dtype, n_tok, D, V, transpose_y, options, filter_eps=None, scale_logits=3.0):
+def _run(provider, dtype, n_tok, D, V, transpose_y, options, filter_eps=None, scale_logits=3.0,
+         deterministic=False):
+    """Forward and backward on fresh inputs; ``deterministic``: the backward twice through the bias
+    gradient's partials workspace (got["db_runs"]: both runs' db)."""
     torch = provider.torch
     h = provider.randn((n_tok, D), dtype)
     w = provider.randn((V, D) if transpose_y else (D, V), dtype, scale=scale_logits / np.sqrt(D))
@@ -66,17 +69,22 @@ def _run(provider, dtype, n_tok, D, V, transpose_y, options, filter_eps=None, sc
     coef = provider.from_numpy(coef_np, "float32")
     scale = provider.from_numpy(np.array([0.37]), "float32")
     ws = K.backward_workspace(n_tok, D, V, dtype, chunk=1024)
-    dh, dw = provider.poisoned((n_tok, D), dtype), provider.poisoned(tuple(w.shape), dtype)
-    db = provider.poisoned((V,), dtype) if options else None
-    g_work = provider.poisoned(ws.g, dtype)
-    lo = provider.poisoned(ws.lo, dtype) if ws.lo else None
-    flags = provider.zeros(ws.flags, "int8")
-    dbias_acc = provider.zeros(ws.dbias) if options else None
     lse = stats[0].contiguous()
-    K.lce_backward(h, w, labels, b, lse, coef[0].contiguous(), coef[1].contiguous(), scale, dh, dw, db,
-                   g_work, lo, flags, dbias_acc, transpose_y=transpose_y, vocab_start=VOCAB_START,
-                   vocab_total=VOCAB_TOTAL, softcap=softcap, label_smoothing=eps, filter_eps=filter_eps)
-    provider.synchronize()
+    db_runs = []
+    for _ in range(2 if deterministic else 1):
+        dh, dw = provider.poisoned((n_tok, D), dtype), provider.poisoned(tuple(w.shape), dtype)
+        db = provider.poisoned((V,), dtype) if options else None
+        g_work = provider.poisoned(ws.g, dtype)
+        lo = provider.poisoned(ws.lo, dtype) if ws.lo else None
+        flags = provider.zeros(ws.flags, "int8")
+        dbias_acc = provider.zeros(ws.dbias) if options else None
+        parts = provider.poisoned(ws.dbias_parts) if deterministic else None
+        K.lce_backward(h, w, labels, b, lse, coef[0].contiguous(), coef[1].contiguous(), scale, dh, dw, db,
+                       g_work, lo, flags, dbias_acc, transpose_y=transpose_y, vocab_start=VOCAB_START,
+                       vocab_total=VOCAB_TOTAL, softcap=softcap, label_smoothing=eps, filter_eps=filter_eps,
+                       dbias_parts=parts)
+        provider.synchronize()
+        db_runs.append(provider.to_numpy(db) if options else None)
 
     h64, w64 = provider.to_numpy(h), provider.to_numpy(w)
     w_vd = w64 if transpose_y else w64.T
@@ -86,7 +94,7 @@ def _run(provider, dtype, n_tok, D, V, transpose_y, options, filter_eps=None, sc
     ref_loss = np.where(valid, ref[1], 0.0)
     got = dict(stats=provider.to_numpy(stats), loss=provider.to_numpy(loss), dh=provider.to_numpy(dh),
                dw=provider.to_numpy(dw) if transpose_y else provider.to_numpy(dw).T,
-               db=provider.to_numpy(db) if options else None)
+               db=provider.to_numpy(db) if options else None, db_runs=db_runs)
     return got, dict(stats=ref[0], loss=ref_loss, dh=ref[2], dw=ref[3], db=ref[4]), flags
 
 
@@ -101,6 +109,19 @@ def test_forward_and_backward_match_float64(provider, case):
     for name in ("dh", "dw") + (("db",) if options else ()):
         # G is stored in the input dtype (as the plain composition's logit gradient is), then one GEMM
         assert_close(name, got[name], want[name], dtype, baseline_err=2.0 ** -8 if dtype != "float32" else None)
+
+
+@pytest.mark.parametrize("case", [("bfloat16", 1000, 256, 5003, False, True), ("float16", 700, 136, 3001, True, True),
+                                  ("float32", 333, 72, 999, False, True)], ids=lambda c: f"{c[0]}-T{c[1]}-V{c[3]}")
+def test_deterministic_bias_gradient_bit_identical(provider, case):
+    """dbias through the per-token-block partials and the fixed-order sum (several token blocks add
+    into each element of every 1024-row chunk): within float64's bound, two runs bit-identical."""
+    dtype, n_tok, D, V, transpose_y, options = case
+    got, want, _ = _run(provider, dtype, n_tok, D, V, transpose_y, options, deterministic=True)
+    assert -(-n_tok // K.default_tiles(dtype).grad.block_m) > 1
+    for name in ("dh", "dw", "db"):
+        assert_close(name, got[name], want[name], dtype, baseline_err=2.0 ** -8 if dtype != "float32" else None)
+    assert np.array_equal(*got["db_runs"]), "db: two deterministic runs differ"
 
 
 def test_gradient_filter(provider):
@@ -252,6 +273,36 @@ def test_lean_path_matches_float64(provider, case):
     assert_close("dw", got_dw, ref[3], dtype, baseline_err=base)
     if options:
         assert_close("db", provider.to_numpy(db), ref[4], dtype, baseline_err=base)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_lean_path_deterministic_bias_gradient_bit_identical(provider, dtype):
+    """The lean path's dbias through its partials workspace (token blocks of 128 rows: 4 row blocks of
+    the gradient kernel add into each element of a chunk): within float64's bound, two runs
+    bit-identical."""
+    gemm = _gemm(provider)
+    n_tok, D, V = 600, 256, 5003
+    h, w, b, labels, labels_np, (softcap, eps, z) = _chunked_setup(provider, dtype, n_tok, D, V, True, True)
+    plan = K.lean_plan(n_tok, V, tokens=128, vocab=1000)
+    work = {k: provider.poisoned(*v) for k, v in K.lean_workspace(plan, D, dtype).items()}
+    state, stats = provider.poisoned((4, n_tok)), provider.poisoned((3, n_tok))
+    K.lean_forward(gemm, h, w, labels, b, work["logits"], state, stats, plan=plan, vocab_start=VOCAB_START,
+                   softcap=softcap, need_sum=True)
+    coef_np = np.random.uniform(-1, 1, (2, n_tok))
+    coef = provider.from_numpy(coef_np, "float32")
+    runs = []
+    for _ in range(2):
+        dh, dw, db = (provider.poisoned(s, dtype) for s in ((n_tok, D), (V, D), (V,)))
+        parts = provider.poisoned(K.chunk_dbias_parts_shape(plan))
+        K.lean_backward(gemm, h, w, labels, b, stats[0].contiguous(), coef[0].contiguous(), coef[1].contiguous(),
+                        0.37, dh, dw, db, work["logits"], work.get("g"), work.get("dh_acc"), provider.zeros((V,)),
+                        plan=plan, vocab_start=VOCAB_START, vocab_total=VOCAB_TOTAL, softcap=softcap,
+                        label_smoothing=eps, dbias_parts=parts)
+        provider.synchronize()
+        runs.append(provider.to_numpy(db))
+    ref = _reference_of(provider, h, w, b, labels_np, True, coef_np[0], coef_np[1], 0.37, (softcap, eps, z))
+    assert_close("db", runs[0], ref[4], dtype, baseline_err=2.0 ** -8 if dtype != "float32" else None)
+    assert np.array_equal(runs[0], runs[1]), "db: two deterministic runs differ"
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-T{c[1]}-D{c[2]}-V{c[3]}-{'VD' if c[4] else 'DV'}"

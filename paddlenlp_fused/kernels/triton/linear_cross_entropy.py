@@ -20,8 +20,11 @@ Backward (three GEMM-equivalents), over vocabulary chunks of ``Vc`` rows so that
 ``G = f'(a) * (coef_p * softmax - coef_y * ((1 - eps) onehot + eps / V_total))`` (``[T, Vc]``, input
 dtype); ``dW[chunk] = G^T h`` is complete in one GEMM (no atomics); ``dh += G W[chunk]`` is accumulated
 over chunks in fp32 registers and stored compensated (bf16/fp16 ``hi`` in dh plus a ``lo`` residual
-buffer), so the sum over ~V/Vc chunks keeps fp32-like accuracy. The bias gradient is a column sum of
-G (fp32 atomics, then ``scale_cast``).
+buffer), so the sum over ~V/Vc chunks keeps fp32-like accuracy (no atomics: the chunks add in order).
+The bias gradient is a column sum of G (fp32 atomics, then ``scale_cast``); deterministic
+(``dbias_parts``): each token block's column sums go to its own row of a float32 workspace
+``[token blocks, Vc]``, added in row order after each chunk (``partial_sums.add_parts``). The
+chunked paths below do the same for their dbias.
 
 Optional gradient filter (approximate, opt-in): a G tile whose entries are all below ``filter_eps`` is
 flagged, and the gradient GEMMs (dh, dW: each selectable) skip flagged blocks; the bias gradient is
@@ -41,6 +44,7 @@ import triton.language as tl
 
 from ...runtime import tensor as T
 from .interpreter_compat import INTERPRETING, dot_operand
+from .partial_sums import add_parts
 
 NUM_SMS_GUESS = 132  # H100/H200; only shapes the forward's split count
 MAX_SPLITS = 48
@@ -252,9 +256,11 @@ def _grad_logits_kernel(h_ptr, w_ptr, bias_ptr, labels_ptr, lse_ptr, coef_p_ptr,
                         softcap, label_smoothing, filter_eps,
                         HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                        ld_parts=0, DETERMINISTIC: tl.constexpr = False):
     """G[t, j] for vocabulary rows chunk_start + j (j < chunk_len) of this rank:
-    f'(a) * (coef_p[t] * exp(s - lse[t]) - coef_y[t] * ((1-eps) [label == v] + eps / V_total))."""
+    f'(a) * (coef_p[t] * exp(s - lse[t]) - coef_y[t] * ((1-eps) [label == v] + eps / V_total)).
+    DETERMINISTIC: dbias_ptr is the workspace [token blocks, ld_parts] of this chunk's column sums."""
     num_m = tl.cdiv(n_tok, BLOCK_M)
     num_n = tl.cdiv(chunk_len, BLOCK_N)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_m, num_n, GROUP_M)
@@ -283,7 +289,9 @@ def _grad_logits_kernel(h_ptr, w_ptr, bias_ptr, labels_ptr, lse_ptr, coef_p_ptr,
     g_tile = g_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_gt + pid_n * BLOCK_N
     local = tl.arange(0, BLOCK_M)[:, None] * stride_gt + tl.arange(0, BLOCK_N)[None, :]
     tl.store(g_tile + local, grad.to(g_ptr.dtype.element_ty), mask=inside)
-    if HAS_BIAS:
+    if HAS_BIAS and DETERMINISTIC:
+        tl.store(dbias_ptr + pid_m * ld_parts + offs_n, tl.sum(grad, 0), mask=offs_n < chunk_len)
+    elif HAS_BIAS:
         tl.atomic_add(dbias_ptr + cols, tl.sum(grad, 0), mask=offs_n < chunk_len)
 
 
@@ -488,12 +496,14 @@ def token_loss(stats, labels, loss, flag, *, vocab_total: int, ignore_index: int
 
 class BackwardWorkspace(NamedTuple):
     """Shapes the caller allocates for ``lce_backward``: G ``[T, Vc]`` (input dtype), lo ``[T, D]``
-    (input dtype; None for fp32), flags int8, dbias fp32 ``[V]`` (zero-filled, only with a bias)."""
+    (input dtype; None for fp32), flags int8, dbias fp32 ``[V]`` (zero-filled, only with a bias);
+    dbias_parts fp32 ``[token blocks, Vc]`` (only for a deterministic bias gradient)."""
     chunk: int
     g: tuple
     lo: tuple | None
     flags: tuple
     dbias: tuple
+    dbias_parts: tuple
 
 
 def backward_workspace(n_tok: int, D: int, V: int, dtype: str, chunk: int | None = None,
@@ -504,9 +514,10 @@ def backward_workspace(n_tok: int, D: int, V: int, dtype: str, chunk: int | None
         chunk = chunk_bytes // max(1, n_tok * T.itemsize(dtype))
     chunk = max(cfg.block_n, chunk // cfg.block_n * cfg.block_n)
     chunk = min(chunk, triton.cdiv(max(V, 1), cfg.block_n) * cfg.block_n)
+    token_blocks = triton.cdiv(max(n_tok, 1), cfg.block_m)
     return BackwardWorkspace(
         chunk, (n_tok, chunk), None if dtype == "float32" else (n_tok, D),
-        (triton.cdiv(max(n_tok, 1), cfg.block_m), chunk // cfg.block_n), (V,))
+        (token_blocks, chunk // cfg.block_n), (V,), (token_blocks, chunk))
 
 
 def _filter_compatible(tiles: Tiles, transpose_y: bool) -> Tiles:
@@ -521,7 +532,7 @@ def lce_backward(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, dh, d
                  g_work, lo_work, flags, dbias_acc, *, transpose_y: bool = True, vocab_start: int = 0,
                  vocab_total: int | None = None, softcap: float | None = None, label_smoothing: float = 0.0,
                  filter_eps: float | None = None, filter_dh: bool = True, filter_dw: bool = True,
-                 tiles: Tiles | None = None) -> None:
+                 tiles: Tiles | None = None, dbias_parts=None) -> None:
     """Gradients for this rank's vocabulary rows, written into dh ``[T, D]`` (a partial sum over the
     rows held here), dw (the weight's layout) and dbias ``[V]`` (or None).
 
@@ -530,6 +541,8 @@ def lce_backward(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, dh, d
     gradient (so the coefficients can be normalised and G stays in fp16 range). Workspaces as
     ``backward_workspace`` says: g_work, lo_work (None for fp32), flags, dbias_acc (None without bias).
     With ``filter_eps``, ``filter_dh`` / ``filter_dw`` say which gradient GEMMs skip the filtered tiles.
+    ``dbias_parts`` (fp32 contiguous ``ws.dbias_parts``, contents ignored; with a bias) makes the bias
+    gradient deterministic: per-token-block column sums there, added in a fixed order, not atomics.
     """
     p = _problem(hidden, weight, labels, bias, transpose_y)
     tiles = tiles or default_tiles(p.dtype)
@@ -552,6 +565,9 @@ def lce_backward(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, dh, d
     if bias is not None:
         T.check_same_shape("dbias_acc", dbias_acc, ws.dbias)
         T.check_same_shape("dbias", dbias, (p.V,))
+    deterministic = dbias_parts is not None and bias is not None
+    if deterministic:
+        _check_buffer("dbias_parts", dbias_parts, ws.dbias_parts, "float32")
     filt = filter_eps is not None
     if filt:
         tiles = _filter_compatible(tiles, transpose_y)
@@ -564,13 +580,16 @@ def lce_backward(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, dh, d
     for c0 in range(0, p.V, chunk):
         n = min(chunk, p.V - c0)
         grid = (triton.cdiv(p.n_tok, g_cfg.block_m) * triton.cdiv(n, g_cfg.block_n),)
+        parts = dict(ld_parts=chunk, DETERMINISTIC=True) if deterministic else {}  # the default build as it was
         _grad_logits_kernel[grid](
             hidden, weight, bias if bias is not None else hidden, labels, lse, coef_p, coef_y,
-            g_work, dbias_acc if bias is not None else lse, flags,
+            g_work, (dbias_parts if deterministic else dbias_acc) if bias is not None else lse, flags,
             p.n_tok, p.D, c0, n, vocab_start, vocab_total,
             p.stride_ht, p.stride_hd, p.stride_wv, p.stride_wd, p.stride_label, chunk, stride_flag,
             float(softcap or 1.0), float(label_smoothing), float(filter_eps or 0.0),
-            HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, FILTER=filt, **_meta(p, g_cfg, p.D))
+            HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, FILTER=filt, **_meta(p, g_cfg, p.D), **parts)
+        if deterministic:
+            add_parts(dbias_parts, dbias_acc, T.shape(dbias_parts)[0], n, part_strides=(0, chunk), out_offset=c0)
         if transpose_y:  # dW[c0:c0+n, :] = G^T h  (rows of dW contiguous along D)
             _matmul(p, mm, g_work, hidden, dw, None, scale, flags, n, p.D, p.n_tok, 0, 0, c0 * stride_dwv,
                     (1, chunk), (p.stride_ht, p.stride_hd), (stride_dwv, stride_dwd), stride_flag,
@@ -725,11 +744,12 @@ def _chunk_grad_kernel(x_ptr, ld_x, g_ptr, ld_g, bias_ptr, labels_ptr, lse_ptr, 
                        n_rows, n_cols, row0, col0, vocab_start, vocab_total, lse_row0, stride_label, ignore_index,
                        softcap, label_smoothing, z_loss,
                        HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr, SOFTCAP: tl.constexpr, COEFS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ld_parts=0, DETERMINISTIC: tl.constexpr = False):
     """G = f'(a) (coef_p softmax - coef_y ((1 - eps) onehot + eps / V_total)) of a logits chunk, stored
     in g (which may be x itself: each element is read and then written by the same program).
     COEFS: coef_p / coef_y are token-indexed arrays; else coef_y = [label != ignore_index] and
-    coef_p = coef_y (1 + 2 z lse). dbias (fp32, vocabulary-indexed) += the column sums of G."""
+    coef_p = coef_y (1 + 2 z lse). dbias (fp32, vocabulary-indexed) += the column sums of G; DETERMINISTIC:
+    dbias_ptr is the workspace [row blocks, ld_parts] of this chunk's column sums, one row a program."""
     offs_r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     keep_r = offs_r < n_rows
@@ -759,7 +779,9 @@ def _chunk_grad_kernel(x_ptr, ld_x, g_ptr, ld_g, bias_ptr, labels_ptr, lse_ptr, 
     grad = tl.where(inside, grad, 0.0)
     tl.store(g_ptr + offs_r.to(tl.int64)[:, None] * ld_g + offs_c[None, :], grad.to(g_ptr.dtype.element_ty),
              mask=inside)
-    if DBIAS:
+    if DBIAS and DETERMINISTIC:
+        tl.store(dbias_ptr + tl.program_id(0) * ld_parts + offs_c, tl.sum(grad, 0), mask=keep_c)
+    elif DBIAS:
         tl.atomic_add(dbias_ptr + col0 + offs_c, tl.sum(grad, 0), mask=keep_c)
 
 
@@ -856,24 +878,39 @@ def lean_forward(gemm, hidden, weight, labels, bias, logits, state, stats, *, pl
 
 
 def _grad_chunk(x, ld_x, g, ld_g, bias, labels, lse, coef_p, coef_y, dbias_acc, tb, vc, t0, c0, lse_row0, p,
-                vocab_start, vocab_total, ignore_index, softcap, label_smoothing, z_loss, coefs) -> None:
+                vocab_start, vocab_total, ignore_index, softcap, label_smoothing, z_loss, coefs,
+                dbias_parts=None) -> None:
     bm, bn = GRAD_TILE
+    deterministic = dbias_parts is not None and dbias_acc is not None
+    parts = dict(ld_parts=T.shape(dbias_parts)[1], DETERMINISTIC=True) if deterministic else {}
     _chunk_grad_kernel[(triton.cdiv(tb, bm), triton.cdiv(vc, bn))](
         x, ld_x, g, ld_g, bias if bias is not None else x, labels, lse,
-        coef_p if coefs else lse, coef_y if coefs else lse, dbias_acc if dbias_acc is not None else lse,
+        coef_p if coefs else lse, coef_y if coefs else lse,
+        (dbias_parts if deterministic else dbias_acc) if dbias_acc is not None else lse,
         tb, vc, t0, c0, vocab_start, vocab_total, lse_row0, p.stride_label, ignore_index,
         float(softcap or 1.0), float(label_smoothing), float(z_loss),
         HAS_BIAS=bias is not None, DBIAS=dbias_acc is not None, SOFTCAP=softcap is not None, COEFS=coefs,
-        BLOCK_M=bm, BLOCK_N=bn)
+        BLOCK_M=bm, BLOCK_N=bn, **parts)
+    if deterministic:
+        add_parts(dbias_parts, dbias_acc, triton.cdiv(tb, bm), vc, part_strides=(0, T.shape(dbias_parts)[1]),
+                  out_offset=c0)
+
+
+def chunk_dbias_parts_shape(plan: ChunkPlan) -> tuple:
+    """The fp32 workspace of a deterministic bias gradient on the chunked paths (``dbias_parts`` of
+    ``lean_backward`` / ``bounded_forward``): one row of column sums per row block of a chunk."""
+    return (triton.cdiv(plan.tokens, GRAD_TILE[0]), plan.vocab)
 
 
 def lean_backward(gemm, hidden, weight, labels, bias, lse, coef_p, coef_y, scale: float, dh, dw, dbias,
                   logits, g, dh_acc, dbias_acc, *, plan: ChunkPlan, transpose_y: bool = True, vocab_start: int = 0,
-                  vocab_total: int | None = None, softcap: float | None = None, label_smoothing: float = 0.0) -> None:
+                  vocab_total: int | None = None, softcap: float | None = None, label_smoothing: float = 0.0,
+                  dbias_parts=None) -> None:
     """Gradients of this rank's rows into dh ``[T, D]`` (partial sum over the rows held here), dw (the
     weight's layout) and dbias ``[V]``; any of them None when not wanted. lse, coef_p, coef_y as for
     ``lce_backward``; ``scale`` (a host float) multiplies every gradient in the GEMMs. Workspaces as
-    ``lean_workspace`` says (``g`` and ``dh_acc`` None for fp32); ``dbias_acc`` fp32 ``[V]`` zeroed."""
+    ``lean_workspace`` says (``g`` and ``dh_acc`` None for fp32); ``dbias_acc`` fp32 ``[V]`` zeroed;
+    ``dbias_parts`` (``chunk_dbias_parts_shape``): a deterministic bias gradient (no atomics)."""
     p = _problem(hidden, weight, labels, bias, transpose_y)
     _unit_inner(p, transpose_y)
     vocab_total = p.V if vocab_total is None else vocab_total
@@ -893,6 +930,8 @@ def lean_backward(gemm, hidden, weight, labels, bias, lse, coef_p, coef_y, scale
         T.check_contiguous("dw", dw)
     if dbias is not None:
         _check_buffer("dbias_acc", dbias_acc, (p.V,), "float32")
+        if dbias_parts is not None:
+            _check_buffer("dbias_parts", dbias_parts, chunk_dbias_parts_shape(plan), "float32")
     if p.n_tok == 0 or p.V == 0 or p.D == 0:
         return
     for t0 in range(0, p.n_tok, plan.tokens):
@@ -902,7 +941,7 @@ def lean_backward(gemm, hidden, weight, labels, bias, lse, coef_p, coef_y, scale
             _logits_gemm(gemm, p, hidden, weight, logits, t0, tb, c0, vc, plan.ld, transpose_y)
             _grad_chunk(logits, plan.ld, g, plan.ld, bias, labels, lse, coef_p, coef_y,
                         dbias_acc if dbias is not None else None, tb, vc, t0, c0, 0, p, vocab_start, vocab_total, 0,
-                        softcap, label_smoothing, 0.0, True)
+                        softcap, label_smoothing, 0.0, True, dbias_parts)
             if dw is not None:
                 _dw_gemm(gemm, p, g, plan.ld, hidden, dw, t0, tb, c0, vc, scale, 0.0 if t0 == 0 else 1.0,
                          transpose_y)
@@ -922,13 +961,14 @@ def bounded_forward(gemm, hidden, weight, labels, bias, logits, stats, loss, fla
                     plan: ChunkPlan, alpha: float, accumulate_dw: bool = False, combine=None,
                     transpose_y: bool = True, vocab_start: int = 0, vocab_total: int | None = None,
                     ignore_index: int = -100, softcap: float | None = None, label_smoothing: float = 0.0,
-                    z_loss: float = 0.0) -> None:
+                    z_loss: float = 0.0, dbias_parts=None) -> None:
     """Loss and gradients in one pass over token blocks (3 GEMMs): per-token loss ``[T]`` (flag as
     ``token_loss``), dh ``[T, D]`` (partial over the rows held here), dW (the weight's layout, input
     dtype or fp32; added to its contents when ``accumulate_dw``), dbias_acc (fp32 ``[V]``, zeroed: the
     unscaled bias gradient); each gradient for a loss of ``alpha * sum`` of the per-token losses.
     ``logits [Tb, ld]`` and ``stats [3, Tb]`` (fp32) are the per-block workspaces; ``combine(stats)``
-    returns the global stats of a block (vocabulary parallel) and may return ``stats`` itself."""
+    returns the global stats of a block (vocabulary parallel) and may return ``stats`` itself.
+    ``dbias_parts`` (``chunk_dbias_parts_shape``): a deterministic bias gradient (no atomics)."""
     p = _problem(hidden, weight, labels, bias, transpose_y)
     _unit_inner(p, transpose_y)
     vocab_total = p.V if vocab_total is None else vocab_total
@@ -944,6 +984,8 @@ def bounded_forward(gemm, hidden, weight, labels, bias, logits, stats, loss, fla
             raise TypeError(f"dw: expected {p.dtype} or float32, got {T.dtype_name(dw)}")
     if bias is not None:
         _check_buffer("dbias_acc", dbias_acc, (p.V,), "float32")
+        if dbias_parts is not None:
+            _check_buffer("dbias_parts", dbias_parts, chunk_dbias_parts_shape(plan), "float32")
     for t0, tb in _token_blocks(p, plan.tokens):
         _logits_gemm(gemm, p, hidden, weight, logits, t0, tb, 0, p.V, plan.ld, transpose_y)
         _chunk_stats_kernel[(triton.cdiv(tb, ROW_BLOCK),)](
@@ -956,7 +998,7 @@ def bounded_forward(gemm, hidden, weight, labels, bias, logits, stats, loss, fla
                    label_smoothing=label_smoothing, z_loss=z_loss, row0=t0, n_tok=tb)
         _grad_chunk(logits, plan.ld, logits, plan.ld, bias, labels, glob, None, None,
                     dbias_acc if bias is not None else None, tb, p.V, t0, 0, t0,
-                    p, vocab_start, vocab_total, ignore_index, softcap, label_smoothing, z_loss, False)
+                    p, vocab_start, vocab_total, ignore_index, softcap, label_smoothing, z_loss, False, dbias_parts)
         if dh is not None:
             _dh_gemm(gemm, p, logits, plan.ld, weight, dh, t0 * p.D, p.D, tb, 0, p.V, alpha, 0.0, transpose_y)
         if dw is not None:
@@ -973,7 +1015,9 @@ def flops(n_tok: int, D: int, V: int) -> dict:
 def compile_cases():
     """The canonical bf16 case (plain, and with bias, softcap, smoothing and the filter) and a small
     fp32 case in the [D, V] layout; the chunked paths' kernels (their GEMMs are cuBLASLt's, not
-    compiled here) at an odd vocabulary, with and without the options."""
+    compiled here) at an odd vocabulary, with and without the options; the deterministic bias
+    gradient (bf16 with the options) of the triton and lean backwards (the bounded path's gradient
+    kernel is the lean one's)."""
     cases = [("bfloat16", 8192, 4096, 128256, True, False), ("bfloat16", 8192, 4096, 128256, True, True),
              ("float32", 37, 48, 300, False, True)]
     for dtype, n_tok, D, V, transpose_y, options in cases:
@@ -997,6 +1041,10 @@ def compile_cases():
         yield f"lce_backward[{tag}]", lambda a=(hidden, weight, labels, bias, vec, vec, vec, scale) + grads + work, \
             o=opts, f=options, d=dtype: lce_backward(*a, label_smoothing=0.1 if f else 0.0,
                                                      filter_eps=AUTO_FILTER_EPS[d] if f else None, **o)
+        if options and dtype == "bfloat16":
+            yield f"lce_backward[{tag},deterministic]", \
+                lambda a=(hidden, weight, labels, bias, vec, vec, vec, scale) + grads + work, o=opts, \
+                parts=spec(ws.dbias_parts, "float32"): lce_backward(*a, label_smoothing=0.1, dbias_parts=parts, **o)
     no_gemm = lambda *args, **kwargs: None  # noqa: E731
     for dtype, options in (("bfloat16", False), ("bfloat16", True), ("float32", True)):
         spec = T.SpecTensor
@@ -1015,6 +1063,11 @@ def compile_cases():
                                                      bias, ws["logits"], ws.get("g"), ws.get("dh_acc"),
                                                      spec((V,), "float32")), \
             o=opts, f=options: lean_backward(no_gemm, *a, label_smoothing=0.1 if f else 0.0, **o)
+        if options and dtype == "bfloat16":
+            yield f"lce_lean_backward[{tag},deterministic]", \
+                lambda a=(hidden, weight, labels, bias, vec, vec, vec, 0.5, spec((n_tok, D), dtype), spec((V, D), dtype),
+                          bias, ws["logits"], ws.get("g"), ws.get("dh_acc"), spec((V,), "float32")), o=opts, \
+                parts=spec(chunk_dbias_parts_shape(plan), "float32"): lean_backward(no_gemm, *a, dbias_parts=parts, **o)
         bplan = bounded_plan(n_tok, V, dtype, 2**26)
         yield f"lce_bounded_forward[{tag}]", lambda a=(hidden, weight, labels, bias,
                                                        spec((bplan.tokens, bplan.ld), dtype),
