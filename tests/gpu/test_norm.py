@@ -1,7 +1,8 @@
 """LayerNorm / RMSNorm (Triton and CUDA) and gated RMSNorm (Triton) on the GPU against float64:
 every output poisoned (NaN) before the kernels write it, workspaces included; fp32/fp16/bf16;
 hidden sizes 1, odd, 4096, past one register block and 65536; 1 and many rows; residual streams of
-another dtype; unaligned rows; rows past 2^31 elements.
+another dtype; unaligned rows; rows past 2^31 elements; flash-attn's second output (weight1/bias1) and
+the residual stream stored without a residual (the op's residual_out= with h = x).
 
 ``python tests/gpu/test_norm.py`` runs each kernel once on small shapes (for compute-sanitizer).
 """
@@ -547,6 +548,90 @@ def test_triton_flash_attn_extras_match_float64(provider, shape, dtype, case):
         assert_close("dbias", provider.to_numpy(db), ref_db, dtype)
 
 
+@pytest.mark.parametrize("case", ["layer_norm,residual fp32,bias1", "rms_norm,weight1 only"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (37, 7), (300, 130), (1000, 4096), (20000, 2048), (5, 12345), (64, 65536)],
+                         ids=str)
+def test_triton_weight1_matches_float64(provider, shape, dtype, case):
+    """flash-attn's second output y1 = xhat * w1 (+ b1) on Triton: LayerNorm with bias, bias1, an fp32
+    residual stream and its gradient (prenorm), or RMSNorm with weight1 alone; every output poisoned,
+    the counters of the fused partial sums passed as the op does (one slab: dweight, dbias, dweight1
+    and dbias1 summed in the cooperative launch; 20000 rows fill the GPU; wider rows: the pre-pass
+    and the sums kernel); against float64, the weights' gradients as sums over rows."""
+    M, N = shape
+    is_rms = case.startswith("rms")
+    x, dy, dy1 = provider.randn((M, N), dtype, scale=2.0, offset=0.5), provider.randn((M, N), dtype), \
+        provider.randn((M, N), dtype)
+    w, w1 = provider.randn((N,), "float32"), provider.randn((N,), "float32")
+    b, b1 = (None, None) if is_rms else (provider.randn((N,), "float32"), provider.randn((N,), "float32"))
+    res = None if is_rms else provider.randn((M, N), dtype)
+    dres_out = None if is_rms else provider.randn((M, N), "float32")
+    y, y1, rstd = provider.poisoned((M, N), dtype), provider.poisoned((M, N), dtype), provider.poisoned((M,))
+    mean = None if is_rms else provider.poisoned((M,))
+    h = None if is_rms else provider.poisoned((M, N), "float32")
+    triton_norm.norm_fwd(x, w, b, y, mean, rstd, residual=res, residual_out=h, weight1=w1, bias1=b1, y1=y1, eps=1e-5,
+                         is_rms_norm=is_rms)
+    dx, dw, dw1 = provider.poisoned((M, N), dtype), provider.poisoned((N,)), provider.poisoned((N,))
+    db, db1 = (None, None) if is_rms else (provider.poisoned((N,)), provider.poisoned((N,)))
+    dres = None if is_rms else provider.poisoned((M, N), dtype)
+    partials, rowstats = triton_norm.bwd_workspace_shapes(M, N, not is_rms, has_weight1=True, has_bias1=not is_rms)
+    partials = provider.poisoned(partials, "float32")
+    rowstats = None if rowstats is None else provider.poisoned(rowstats, "float32")
+    counters = provider.zeros((triton_norm.COUNTERS,), "int32")
+    triton_norm.norm_bwd(x if is_rms else h, w, mean, rstd, dy, dx, dw, partials, dbias=db, dresidual_out=dres_out,
+                         dresidual=dres, rowstats=rowstats, counters=counters, weight1=w1, dy1=dy1, dweight1=dw1,
+                         dbias1=db1, is_rms_norm=is_rms)
+    provider.synchronize()
+    assert not provider.to_numpy(counters).any(), "the fused partial sums left their counters non-zero"
+    h64 = provider.to_numpy(x)
+    if not is_rms:
+        h64 = h64 + provider.to_numpy(res)
+        np.testing.assert_array_equal(provider.to_numpy(h), h64.astype(np.float32))
+        h64 = provider.to_numpy(h)
+    w64, w164, dy64, dy164 = (provider.to_numpy(t) for t in (w, w1, dy, dy1))
+    centred = h64 if is_rms else h64 - h64.mean(-1, keepdims=True)
+    rstd64 = 1.0 / np.sqrt((centred * centred).mean(-1, keepdims=True) + 1e-5)
+    xhat = centred * rstd64
+    b64, b164 = (0.0, 0.0) if is_rms else (provider.to_numpy(b), provider.to_numpy(b1))
+    wdy = dy64 * w64 + dy164 * w164
+    c2 = 0.0 if is_rms else wdy.mean(-1, keepdims=True)
+    dh = (wdy - xhat * (xhat * wdy).mean(-1, keepdims=True) - c2) * rstd64
+    if dres_out is not None:
+        dh = dh + provider.to_numpy(dres_out)
+    where = f"[{M}, {N}] {dtype} {case}"
+    assert_close(f"y {where}", provider.to_numpy(y), xhat * w64 + b64, dtype)
+    assert_close(f"y1 {where}", provider.to_numpy(y1), xhat * w164 + b164, dtype)
+    if N == 1 and is_rms:  # all cancellation (see test_fwd_bwd_match_float64): against the terms
+        terms = rstd64 * (np.abs(wdy) + np.abs(xhat * (xhat * wdy).mean(-1, keepdims=True)))
+        assert_close_to_terms(f"dx {where}", provider.to_numpy(dx), dh, terms, dtype)
+    else:
+        assert_close(f"dx {where}", provider.to_numpy(dx), dh, dtype)
+    if dres is not None:
+        assert_close(f"dresidual {where}", provider.to_numpy(dres), dh, dtype)
+    for name, got, cot, is_weight in (("dweight", dw, dy64, True), ("dbias", db, dy64, False),
+                                      ("dweight1", dw1, dy164, True), ("dbias1", db1, dy164, False)):
+        if got is not None:
+            terms = cot * xhat if is_weight else cot
+            assert_sum_close(f"{name} {where}", provider.to_numpy(got), terms.sum(0), np.abs(terms).sum(0), dtype)
+
+
+@pytest.mark.parametrize("backend", sorted(KERNELS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N", [7, 4096, 12345])
+def test_residual_out_without_residual(provider, backend, dtype, N):
+    """The stream stored with no residual in x's own dtype (the op's residual_out= where h is x):
+    residual_out is x exactly; y, and dx with the stream's gradient, against float64."""
+    M = 129
+    x, dy, dres_out = (provider.randn((M, N), dtype) for _ in range(3))
+    w, b = provider.randn((N,), dtype), provider.randn((N,), dtype)
+    got = _run(provider, backend, x, w, b, dy, res_out_dtype=dtype, dres_out=dres_out)
+    np.testing.assert_array_equal(got["residual_out"], provider.to_numpy(x))
+    y, dh, dw, db, _ = _reference(provider.to_numpy(x), provider.to_numpy(w), provider.to_numpy(b),
+                                  provider.to_numpy(dy), provider.to_numpy(dres_out), 1e-5, False)
+    for name, ref in (("y", y), ("dx", dh), ("dweight", dw), ("dbias", db)):
+        assert_close(f"{backend} {name} [{M}, {N}]", got[name], ref, dtype)
+
+
 @pytest.mark.xdist_group("huge")
 @pytest.mark.parametrize("backend", sorted(KERNELS))
 def test_rows_past_2_31_elements(provider, backend):
@@ -600,6 +685,9 @@ def sanitize_smoke() -> None:
     provider.synchronize()
     test_gated_rms_norm_matches_float64(provider, 24, 8, False, "bfloat16")
     print("ok triton gated_rms_norm [129, 24]", flush=True)
+    for shape in ((37, 7), (5, 12345)):  # one block with the fused sums; slabs, pre-pass and sums kernel
+        test_triton_weight1_matches_float64(provider, shape, "bfloat16", "layer_norm,residual fp32,bias1")
+        print(f"ok triton layer_norm weight1 {list(shape)}", flush=True)
 
 
 if __name__ == "__main__":

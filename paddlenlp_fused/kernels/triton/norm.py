@@ -4,9 +4,11 @@ Shapes (M rows, N columns; 2-D tensors have a contiguous last axis and rows at a
     x, y, dy, dx, z, dz                  [M, N]   activation dtype
     residual, residual_out, dresidual    [M, N]   each in its own float dtype
     weight, bias, dweight, dbias         [N]      fp32 or the activation dtype
+    weight1, bias1, dweight1, dbias1     [N]      flash-attn's second output y1 [M, N] (and dy1)
     mean, rstd                           [M * ngroups] fp32, saved by the forward for the backward
     partials (backward workspace)        [n_sums, P, N] fp32: per program one row of partial sums of
-                                          dweight (and dbias); ``bwd_workspace_shapes`` gives P
+                                          dweight (and dbias, dweight1, dbias1); ``bwd_workspace_shapes``
+                                          gives P
     rowstats (backward workspace)        [M * ngroups, 2] fp32, only when a group is wider than one
                                           register block (``bwd_workspace_shapes`` says when)
     counters (backward workspace)        [COUNTERS] int32 zeros, optional: the fused partial sums
@@ -16,6 +18,7 @@ Each row is normalised in groups of G = group_size consecutive columns (G = N fo
            gated with norm_before_gate=False: h = x * silu(z)
     xhat = (h - mean) * rstd                (RMSNorm: mean = 0, rstd = 1 / sqrt(mean(h^2) + eps))
     y    = xhat * (weight + weight_offset) (+ bias); gated with norm_before_gate=True: y *= silu(z)
+    y1   = xhat * (weight1 + weight_offset) (+ bias1), ungated, when weight1 is given
 
 Memory-bound. The forward holds a [ROWS, BLOCK_N] tile of whole groups in registers (BLOCK_N up to
 8192) and reads x once; wider groups loop over chunks (two or three sweeps, re-reads mostly from
@@ -190,13 +193,15 @@ def _fwd_store_y(h, mean, rstd, w_ptr, b_ptr, z_ptr, y_ptr, rows64, col_base, co
 def _norm_fwd_kernel(x_ptr, res_ptr, z_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, mean_ptr, rstd_ptr,
                      M, G, NGROUPS, stride_x, stride_res, stride_z, stride_y, stride_res_out,
                      eps, weight_offset, x1_ptr, rs_ptr, mask_ptr, mask1_ptr, seed, dropout_p, stride_x1, stride_mask,
+                     w1_ptr, b1_ptr, y1_ptr, stride_y1,
                      IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, STORE_RES_OUT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
                      HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                     STORE_MASK: tl.constexpr):
+                     STORE_MASK: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr):
     """Grid (cdiv(M, ROWS), NGROUPS): one [ROWS, G] slice of rows and one group per program. The
-    extras' arguments (x1 ... stride_mask) are None when their flag is off."""
+    extras' arguments (x1 ... stride_y1) are None when their flag is off; HAS_W1: the second
+    output y1 = xhat * (w1 + weight_offset) (+ b1) of the same statistics."""
     g = tl.program_id(1)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
@@ -221,6 +226,9 @@ def _norm_fwd_kernel(x_ptr, res_ptr, z_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, me
         rstd = 1.0 / tl.sqrt(var + eps)
         _fwd_store_y(h, mean, rstd, w_ptr, b_ptr, z_ptr, y_ptr, rows64, col_base, offs, mask, col_mask,
                      stride_z, stride_y, weight_offset, HAS_BIAS, HAS_Z, NORM_BEFORE_GATE)
+        if HAS_W1:
+            _fwd_store_y(h, mean, rstd, w1_ptr, b1_ptr, z_ptr, y1_ptr, rows64, col_base, offs, mask, col_mask,
+                         stride_z, stride_y1, weight_offset, HAS_B1, False, NORM_BEFORE_GATE)
     else:  # chunked: sum (and store residual_out), [centred sum of squares,] normalise
         acc = tl.zeros([ROWS], dtype=tl.float32)
         start = 0
@@ -269,6 +277,9 @@ def _norm_fwd_kernel(x_ptr, res_ptr, z_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, me
                             HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, STORE_MASK)
             _fwd_store_y(h, mean, rstd, w_ptr, b_ptr, z_ptr, y_ptr, rows64, col_base, cols, mask, col_mask,
                          stride_z, stride_y, weight_offset, HAS_BIAS, HAS_Z, NORM_BEFORE_GATE)
+            if HAS_W1:
+                _fwd_store_y(h, mean, rstd, w1_ptr, b1_ptr, z_ptr, y1_ptr, rows64, col_base, cols, mask, col_mask,
+                             stride_z, stride_y1, weight_offset, HAS_B1, False, NORM_BEFORE_GATE)
             start += BLOCK_N
     stat = rows.to(tl.int64) * NGROUPS + g
     if not IS_RMS:
@@ -309,10 +320,11 @@ def _bwd_load(h_ptr, z_ptr, w, dy_ptr, mean, rstd, rows64, col_base, cols, mask,
 
 @triton.jit
 def _norm_bwd_rowstats_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, rowstats_ptr,
-                              M, G, NGROUPS, stride_h, stride_z, stride_dy, weight_offset,
+                              M, G, NGROUPS, stride_h, stride_z, stride_dy, weight_offset, w1_ptr, dy1_ptr, stride_dy1,
                               IS_RMS: tl.constexpr, HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
-                              BLOCK_N: tl.constexpr):
-    """Grid (M, NGROUPS): rowstats[row, g] = (mean(xhat * w dy), mean(w dy)) over the group."""
+                              BLOCK_N: tl.constexpr, HAS_W1: tl.constexpr):
+    """Grid (M, NGROUPS): rowstats[row, g] = (mean(xhat * w dy), mean(w dy)) over the group; with
+    HAS_W1, w dy is w dy + w1 dy1 (w1_ptr ... stride_dy1 None without)."""
     g = tl.program_id(1)
     rows = tl.program_id(0) + tl.arange(0, 1)
     rows64 = rows.to(tl.int64)[:, None]
@@ -332,6 +344,9 @@ def _norm_bwd_rowstats_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, r
         w = _bwd_weight(w_ptr, g * G, cols, col_mask, weight_offset)
         xhat, _, wdy, _, _, _, _ = _bwd_load(h_ptr, z_ptr, w, dy_ptr, mean, rstd, rows64, g * G, cols,
                                              col_mask, stride_h, stride_z, stride_dy, HAS_Z, NORM_BEFORE_GATE)
+        if HAS_W1:
+            dy1 = tl.load(dy1_ptr + rows64 * stride_dy1 + cols, mask=col_mask, other=0.0).to(tl.float32)
+            wdy += dy1 * _bwd_weight(w1_ptr, g * G, cols, col_mask, weight_offset)
         c1 += tl.sum(xhat * wdy, axis=1)
         c2 += tl.sum(wdy, axis=1)
         start += BLOCK_N
@@ -345,6 +360,7 @@ def _norm_bwd_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dres_out_p
                      M, G, NGROUPS, NUM_PARTIALS, stride_partials, stride_h, stride_z, stride_dy, stride_dres_out,
                      stride_dx, stride_dres, stride_dz, weight_offset,
                      x_ptr, dx1_ptr, rs_ptr, drs_ptr, seed, dropout_p, stride_x, stride_dx1,
+                     w1_ptr, dy1_ptr, dw1_ptr, db1_ptr, stride_dy1,
                      IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES_OUT: tl.constexpr,
                      HAS_DRES: tl.constexpr, HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
                      STATS_GIVEN: tl.constexpr, NUM_SLABS: tl.constexpr,
@@ -352,14 +368,17 @@ def _norm_bwd_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dres_out_p
                      RELOAD_WEIGHT: tl.constexpr, FUSE_SUM: tl.constexpr,
                      SUM_BLOCK_P: tl.constexpr, SUM_BLOCK_N: tl.constexpr,
                      HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                     HAS_DRS: tl.constexpr):
+                     HAS_DRS: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr):
     """Grid (NUM_PARTIALS, NGROUPS * NUM_SLABS): program (p, q) walks the row tiles p, p + P, ... of
     group q // NUM_SLABS, columns [slab * BLOCK_N, (slab + 1) * BLOCK_N) of it, and writes row p of
     the partial sums of dweight (and dbias, ``stride_partials`` further on) for those columns.
     FUSE_SUM (one group, one slab, a cooperative launch): then all programs meet at a grid barrier
     and sum the partial rows into dw / db themselves, SUM_BLOCK_N columns at a time. flash-attn's
     extras (x_ptr ... stride_dx1, None when their flags are off): dx1 = dropout(dh), dx =
-    dropout(dh) * rowscale, drowscale's partial sum of this slab (x . dropout(dh)) at [row, slab]."""
+    dropout(dh) * rowscale, drowscale's partial sum of this slab (x . dropout(dh)) at [row, slab].
+    HAS_W1 (w1_ptr ... stride_dy1): y1's gradient dy1 adds w1 dy1 to the normalised gradient, and
+    dweight1 (and dbias1) are summed as dweight and dbias are; the partial sums' order is dweight,
+    [dbias,] dweight1, [dbias1], ``stride_partials`` apart."""
     pid = tl.program_id(0)
     g = tl.program_id(1) // NUM_SLABS
     slab = tl.program_id(1) % NUM_SLABS
@@ -371,6 +390,11 @@ def _norm_bwd_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dres_out_p
     db_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     if not RELOAD_WEIGHT:  # once: the same columns every row (costs registers)
         w_kept = _bwd_weight(w_ptr, col_base, cols, col_mask, weight_offset)
+    if HAS_W1:
+        dw1_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        db1_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        if not RELOAD_WEIGHT:
+            w1_kept = _bwd_weight(w1_ptr, col_base, cols, col_mask, weight_offset)
     num_tiles = tl.cdiv(M, ROWS)
     for tile in tl.range(pid, num_tiles, NUM_PARTIALS, num_stages=NUM_STAGES):
         rows = tile * ROWS + tl.arange(0, ROWS)
@@ -390,6 +414,12 @@ def _norm_bwd_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dres_out_p
         xhat, dy, wdy, x, silu_z, dsilu_z, dz = _bwd_load(
             h_ptr, z_ptr, w, dy_ptr, mean, rstd, rows64, col_base, cols, mask,
             stride_h, stride_z, stride_dy, HAS_Z, NORM_BEFORE_GATE)
+        if HAS_W1:  # y1 = xhat * w1 + b1 shares xhat: its gradient joins the normalised one
+            dy1 = tl.load(dy1_ptr + rows64 * stride_dy1 + cols, mask=mask, other=0.0).to(tl.float32)
+            if RELOAD_WEIGHT:
+                wdy += dy1 * _bwd_weight(w1_ptr, col_base, cols, col_mask, weight_offset)
+            else:
+                wdy += dy1 * w1_kept
         if STATS_GIVEN:
             c1 = tl.load(rowstats_ptr + stat * 2, mask=row_mask, other=0.0)
             c2 = tl.load(rowstats_ptr + stat * 2 + 1, mask=row_mask, other=0.0)
@@ -426,10 +456,18 @@ def _norm_bwd_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dres_out_p
         dw_acc += dy * xhat
         if HAS_BIAS:
             db_acc += dy
+        if HAS_W1:
+            dw1_acc += dy1 * xhat
+            if HAS_B1:
+                db1_acc += dy1
     out = partials_ptr + pid.to(tl.int64) * (G * NGROUPS) + col_base + cols
     tl.store(out, tl.sum(dw_acc, axis=0)[None, :], mask=col_mask)
     if HAS_BIAS:
         tl.store(out + stride_partials, tl.sum(db_acc, axis=0)[None, :], mask=col_mask)
+    if HAS_W1:
+        tl.store(out + (1 + HAS_BIAS) * stride_partials, tl.sum(dw1_acc, axis=0)[None, :], mask=col_mask)
+        if HAS_B1:
+            tl.store(out + (2 + HAS_BIAS) * stride_partials, tl.sum(db1_acc, axis=0)[None, :], mask=col_mask)
     if FUSE_SUM:
         _grid_barrier(counters_ptr, NUM_PARTIALS)
         block = pid
@@ -442,6 +480,14 @@ def _norm_bwd_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dres_out_p
                 total = _column_sums(partials_ptr + stride_partials, sum_cols, sum_mask, NUM_PARTIALS, G,
                                      SUM_BLOCK_P, SUM_BLOCK_N)
                 tl.store(db_ptr + sum_cols, total.to(db_ptr.dtype.element_ty), mask=sum_mask)
+            if HAS_W1:
+                total = _column_sums(partials_ptr + (1 + HAS_BIAS) * stride_partials, sum_cols, sum_mask, NUM_PARTIALS,
+                                     G, SUM_BLOCK_P, SUM_BLOCK_N)
+                tl.store(dw1_ptr + sum_cols, total.to(dw1_ptr.dtype.element_ty), mask=sum_mask)
+                if HAS_B1:
+                    total = _column_sums(partials_ptr + (2 + HAS_BIAS) * stride_partials, sum_cols, sum_mask,
+                                         NUM_PARTIALS, G, SUM_BLOCK_P, SUM_BLOCK_N)
+                    tl.store(db1_ptr + sum_cols, total.to(db1_ptr.dtype.element_ty), mask=sum_mask)
             block += NUM_PARTIALS
         _grid_depart(counters_ptr, NUM_PARTIALS)
 
@@ -483,15 +529,27 @@ def _column_sums(rows_ptr, cols, col_mask, P, N, BLOCK_P: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _sum_partials_kernel(partials_ptr, dw_ptr, db_ptr, P, N, stride_partials,
-                         HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (cdiv(N, BLOCK_N), 1 or 2): column sums of the first P rows of partials[which] (fp32
-    rows of N) into dw / db."""
+def _sum_partials_kernel(partials_ptr, dw_ptr, db_ptr, P, N, stride_partials, dw1_ptr, db1_ptr,
+                         HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HAS_W1: tl.constexpr, HAS_B1: tl.constexpr):
+    """Grid (cdiv(N, BLOCK_N), number of sums): column sums of the first P rows of partials[which]
+    (fp32 rows of N) into dw, [db,] [dw1, [db1]] in that order (dw1_ptr, db1_ptr None without)."""
     which = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     total = _column_sums(partials_ptr + which.to(tl.int64) * stride_partials, cols, col_mask, P, N, BLOCK_P, BLOCK_N)
-    if HAS_BIAS:
+    if HAS_W1:
+        if which == 0:
+            tl.store(dw_ptr + cols, total.to(dw_ptr.dtype.element_ty), mask=col_mask)
+        if HAS_BIAS:
+            if which == 1:
+                tl.store(db_ptr + cols, total.to(db_ptr.dtype.element_ty), mask=col_mask)
+        if which == 1 + HAS_BIAS:
+            tl.store(dw1_ptr + cols, total.to(dw1_ptr.dtype.element_ty), mask=col_mask)
+        if HAS_B1:
+            if which == 2 + HAS_BIAS:
+                tl.store(db1_ptr + cols, total.to(db1_ptr.dtype.element_ty), mask=col_mask)
+    elif HAS_BIAS:
         if which == 0:
             tl.store(dw_ptr + cols, total.to(dw_ptr.dtype.element_ty), mask=col_mask)
         else:
@@ -676,16 +734,17 @@ def _resident_programs_per_sm(launcher, args, constexprs, options, num_warps: in
 
 
 def bwd_workspace_shapes(M: int, N: int, has_bias: bool, group_size=None, max_block: int = BWD_MAX_BLOCK,
-                         tuning: BwdTuning = BwdTuning()):
+                         tuning: BwdTuning = BwdTuning(), has_weight1: bool = False, has_bias1: bool = False):
     """Shapes of the fp32 workspaces ``norm_bwd`` takes: (partials [n_sums, P, N], rowstats
-    [M * ngroups, 2] or None). P is an upper bound (``norm_bwd`` uses as many rows as programs fit
-    on the GPU at once). ``tuning``: as passed to ``norm_bwd``."""
+    [M * ngroups, 2] or None); n_sums counts dweight, dbias, dweight1 and dbias1 where given. P is
+    an upper bound (``norm_bwd`` uses as many rows as programs fit on the GPU at once). ``tuning``:
+    as passed to ``norm_bwd``."""
     G, ngroups = _groups(N, group_size)
     rows, _, slabs, num_warps = _bwd_config(G, max_block, tuning.rows, tuning.num_warps)
     per_sm = _max_programs_per_sm(num_warps)
     num_partials = max(1, min(triton.cdiv(M, rows), _num_sms() * per_sm // (ngroups * slabs)))
     rowstats = (M * ngroups, 2) if slabs > 1 else None
-    return (2 if has_bias else 1, num_partials, N), rowstats
+    return (1 + has_bias + has_weight1 + has_bias1, num_partials, N), rowstats
 
 
 # ----------------------------------------------------------------------------------------------
@@ -745,6 +804,23 @@ def _check_extras(M: int, N: int, ngroups: int, z, x1, rowscale, dropout_p: floa
         raise ValueError("dropout_mask: given without dropout_p > 0")
 
 
+def _check_weight1(N: int, ngroups: int, z, weight1, required, optional) -> None:
+    """flash-attn's second output (ungrouped, ungated norms only): the (name, tensor) pairs
+    ``required`` come exactly with weight1, the ``optional`` [N] vectors only with it."""
+    for name, t in required + optional:
+        if weight1 is None and t is not None:
+            raise ValueError(f"{name}: given without weight1")
+    if weight1 is None:
+        return
+    if ngroups != 1 or z is not None:
+        raise ValueError("weight1: not supported together with z or group_size < N")
+    for name, t in required:
+        if t is None:
+            raise ValueError(f"{name}: needed with weight1")
+    for name, t in (("weight1", weight1),) + optional:
+        _check_vector(name, t, N)
+
+
 def _fwd_extras_strides(M, N, ngroups, z, residual_out, x1, rowscale, dropout_p, seed, dropout_mask,
                         dropout_mask1) -> tuple:
     """Checks ``norm_fwd``'s extras; the row strides of x1 and of the masks."""
@@ -767,13 +843,15 @@ def _fwd_extras_strides(M, N, ngroups, z, residual_out, x1, rowscale, dropout_p,
 def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None, z=None, eps: float = 1e-5,
              is_rms_norm: bool = False, weight_offset: float = 0.0, group_size=None,
              norm_before_gate: bool = True, x1=None, rowscale=None, dropout_p: float = 0.0, seed=None,
-             dropout_mask=None, dropout_mask1=None, max_block: int = FWD_MAX_BLOCK,
-             tuning: FwdTuning = FwdTuning()) -> None:
+             dropout_mask=None, dropout_mask1=None, weight1=None, bias1=None, y1=None,
+             max_block: int = FWD_MAX_BLOCK, tuning: FwdTuning = FwdTuning()) -> None:
     """y = norm(x (+ residual)) (gated by z); writes y, residual_out (if given), mean (LayerNorm) and
     rstd. ``residual`` / ``residual_out`` are for ungrouped norms; ``z`` / ``group_size`` for the
     gated RMSNorm. flash-attn's extras (ungrouped, ungated; residual_out needed): h =
     dropout(x * rowscale [M]) + dropout(x1) + residual, dropout's keep-mask Philox from ``seed``
-    (x1's from seed + 1), written (as 0/1) to ``dropout_mask`` / ``dropout_mask1`` when given.
+    (x1's from seed + 1), written (as 0/1) to ``dropout_mask`` / ``dropout_mask1`` when given;
+    ``weight1`` (and ``bias1``) [N]: a second output ``y1`` [M, N] = xhat * (weight1 +
+    weight_offset) + bias1 from the same statistics (ungrouped, ungated; residual_out not needed).
     ``max_block`` caps the register tile (tests use it to reach the chunked path); ``tuning``
     overrides the table's tile (benchmarks and variant tests)."""
     M, N = _matrix_shape("x", x)
@@ -789,6 +867,10 @@ def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None
                                                      dropout_mask, dropout_mask1)
     for name, t in (("weight", weight), ("bias", bias)):
         _check_vector(name, t, N)
+    stride_y1 = None
+    if weight1 is not None or bias1 is not None or y1 is not None:
+        _check_weight1(N, ngroups, z, weight1, (("y1", y1),), (("bias1", bias1),))
+        stride_y1 = T.row_stride("y1", y1, M, N)
     _check_stats(mean, rstd, M * ngroups, is_rms_norm)
     if M == 0 or N == 0:
         return
@@ -799,10 +881,11 @@ def norm_fwd(x, weight, bias, y, mean, rstd, *, residual=None, residual_out=None
                  M, G, ngroups, *strides, float(eps), float(weight_offset),
                  # the extras' arguments: None when unused, so the default kernels stay as they were
                  x1, rowscale, dropout_mask, dropout_mask1, int(seed) if dropout_p else None,
-                 dropout_p if dropout_p else None, stride_x1, stride_mask),
+                 dropout_p if dropout_p else None, stride_x1, stride_mask, weight1, bias1, y1, stride_y1),
                 (is_rms_norm, residual is not None, residual_out is not None, bias is not None, z is not None,
                  norm_before_gate, rows, block_n, block_n >= G,
-                 x1 is not None, rowscale is not None, dropout_p > 0, store_mask), (("num_warps", num_warps),))
+                 x1 is not None, rowscale is not None, dropout_p > 0, store_mask, weight1 is not None,
+                 bias1 is not None), (("num_warps", num_warps),))
 
 
 def drowscale_shape(M: int, N: int, max_block: int = BWD_MAX_BLOCK, tuning: BwdTuning = BwdTuning()) -> tuple:
@@ -814,8 +897,8 @@ def drowscale_shape(M: int, N: int, max_block: int = BWD_MAX_BLOCK, tuning: BwdT
 def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dresidual_out=None,
              dresidual=None, z=None, dz=None, rowstats=None, counters=None, is_rms_norm: bool = False,
              weight_offset: float = 0.0, group_size=None, norm_before_gate: bool = True, x=None, dx1=None,
-             rowscale=None, drowscale=None, dropout_p: float = 0.0, seed=None,
-             max_block: int = BWD_MAX_BLOCK, tuning: BwdTuning = BwdTuning()) -> None:
+             rowscale=None, drowscale=None, dropout_p: float = 0.0, seed=None, weight1=None, dy1=None,
+             dweight1=None, dbias1=None, max_block: int = BWD_MAX_BLOCK, tuning: BwdTuning = BwdTuning()) -> None:
     """Gradients of ``norm_fwd``. ``h`` is what the forward normalised before gating: residual_out
     when it stored one, else x. Writes dx (= dh, plus dresidual_out), dresidual (dh in the
     residual's dtype, when that differs from dx's), dz (gated), dweight and dbias; ``partials`` and
@@ -825,10 +908,17 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dr
     cooperative grid fits on the GPU (else the two kernels run). flash-attn's extras, as passed to
     ``norm_fwd``: ``dx1`` (x1's gradient, given exactly when the forward had x1), ``rowscale``,
     ``dropout_p`` / ``seed``; ``drowscale`` (``drowscale_shape``, fp32) with ``x`` (the forward's x):
-    rowscale's gradient in partial sums. ``max_block`` as there; ``tuning`` overrides the table's
-    tile and loop (pass the same to ``bwd_workspace_shapes``)."""
+    rowscale's gradient in partial sums. flash-attn's second output: ``weight1`` with ``dy1`` (y1's
+    gradient [M, N]) writes ``dweight1`` (and ``dbias1``, given exactly when the forward had bias1),
+    summed as dweight is (the workspace shaped with has_weight1 / has_bias1). ``max_block`` as
+    there; ``tuning`` overrides the table's tile and loop (pass the same to ``bwd_workspace_shapes``)."""
     M, N = _matrix_shape("h", h)
     G, ngroups = _groups(N, group_size)
+    stride_dy1 = None
+    if weight1 is not None or dy1 is not None or dweight1 is not None or dbias1 is not None:
+        _check_weight1(N, ngroups, z, weight1, (("dy1", dy1), ("dweight1", dweight1)), (("dbias1", dbias1),))
+        _check_vector("dweight1", dweight1, N)
+        stride_dy1 = T.row_stride("dy1", dy1, M, N)
     stride_x = stride_dx1 = None
     if dx1 is not None or rowscale is not None or dropout_p or drowscale is not None or x is not None:
         dropout_p = float(dropout_p)
@@ -852,9 +942,10 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dr
     num_stages, reload_weight = tuning.num_stages or _bwd_stages(rows * block_n), tuning.reload_weight
     # each pipeline stage buffers one tile of every row tensor loaded in the loop: keep the
     # buffers within shared memory (sm_80: 163 KiB; 128 KiB leaves room for the reductions)
-    stage_bytes = rows * block_n * sum(_itemsize(t) for t in (h, dy, z, dresidual_out, x) if t is not None)
+    stage_bytes = rows * block_n * sum(_itemsize(t) for t in (h, dy, z, dresidual_out, x, dy1) if t is not None)
     num_stages = max(1, min(num_stages, 1 + _STAGE_BUFFER_BYTES // stage_bytes))
-    n_sums, partials_shape = 2 if dbias is not None else 1, T.shape(partials)
+    n_sums = sum(t is not None for t in (dweight, dbias, dweight1, dbias1))
+    partials_shape = T.shape(partials)
     num_partials = partials_shape[1] if len(partials_shape) == 3 else 0
     if partials_shape != (n_sums, num_partials, N) or not num_partials:
         raise ValueError(f"partials: expected an fp32 workspace [{n_sums}, P >= 1, {N}], got shape {partials_shape}")
@@ -874,24 +965,27 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dr
         if slabs > 1:
             _launch_rowstats((M, ngroups),
                              (h, z, weight, None if is_rms_norm else mean, rstd, dy, rowstats, M, G, ngroups,
-                              stride_h, stride_z, stride_dy, float(weight_offset)),
-                             (is_rms_norm, z is not None, norm_before_gate, block_n), (("num_warps", _warps(block_n)),))
+                              stride_h, stride_z, stride_dy, float(weight_offset), weight1, dy1, stride_dy1),
+                             (is_rms_norm, z is not None, norm_before_gate, block_n, weight1 is not None),
+                             (("num_warps", _warps(block_n)),))
         scalars = (num_partials * N, stride_h, stride_z, stride_dy, stride_dres_out, stride_dx, stride_dres, stride_dz,
                    float(weight_offset),
                    # the extras' arguments: None when unused, so the default kernels stay as they were
                    x, dx1, rowscale, drowscale, int(seed) if dropout_p else None, dropout_p if dropout_p else None,
-                   stride_x, stride_dx1)
+                   stride_x, stride_dx1, weight1, dy1)
 
         def launch_args(fuse, programs):
             tensors = (h, z, weight, None if is_rms_norm else mean, rstd, dy, dresidual_out,
                        rowstats if slabs > 1 else None, dx, dresidual, dz, partials) + \
                       ((dweight, dbias, counters) if fuse else (None, None, None))
+            sums1 = (dweight1, dbias1) if fuse else (None, None)
             constexprs = (is_rms_norm, dbias is not None, dresidual_out is not None, dresidual is not None,
                           z is not None, norm_before_gate, slabs > 1, slabs, rows, block_n, num_stages, reload_weight,
                           fuse, _FUSED_SUM_BLOCK_P, _FUSED_SUM_BLOCK_N,
-                          dx1 is not None, rowscale is not None, dropout_p > 0, drowscale is not None)
+                          dx1 is not None, rowscale is not None, dropout_p > 0, drowscale is not None,
+                          weight1 is not None, dbias1 is not None)
             options = (("num_warps", num_warps),) + ((("launch_cooperative_grid", True),) if fuse else ())
-            return tensors + (M, G, ngroups, programs) + scalars, constexprs, options
+            return tensors + (M, G, ngroups, programs) + scalars + sums1 + (stride_dy1,), constexprs, options
 
         # the partial sums in the same launch: needs every program resident (a cooperative launch;
         # never in the interpreter, which runs programs one after another)
@@ -904,10 +998,11 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dr
         _launch_bwd((programs, ngroups * slabs), *launch_args(fuse, programs))
         if fuse:
             return
-    # with no rows dweight and dbias are sums over no partial rows: zeros
+    # with no rows the weights' gradients are sums over no partial rows: zeros
     _launch_sum((triton.cdiv(N, _SUM_BLOCK_N), n_sums),
-                (partials, dweight, dbias, programs if M else 0, N, num_partials * N),
-                (dbias is not None, _SUM_BLOCK_P, _SUM_BLOCK_N), (("num_warps", 4),))
+                (partials, dweight, dbias, programs if M else 0, N, num_partials * N, dweight1, dbias1),
+                (dbias is not None, _SUM_BLOCK_P, _SUM_BLOCK_N, dweight1 is not None, dbias1 is not None),
+                (("num_warps", 4),))
 
 
 _launch_fwd = DirectLauncher(_norm_fwd_kernel)
@@ -922,7 +1017,10 @@ def compile_cases():
     RMSNorm at 65536 (chunked forward, backward in slabs); the gated RMSNorm with groups and the
     gate first; the gated LayerNorm with bias, gate last (dz in fp32, as ops.norm passes it); y in
     another dtype than x (out_dtype) with a weight in a third; flash-attn's extras (rowscale with
-    dropout and its stored mask, x1 with dropout) at the canonical width and at 65536 (slabs)."""
+    dropout and its stored mask, x1 with dropout) at the canonical width and at 65536 (slabs);
+    flash-attn's second output (weight1 and bias1 with an fp32 residual stream: fused sums at the
+    canonical width, the pre-pass and the sums kernel at 65536; RMSNorm's weight1 alone at 3000
+    through the sums kernel)."""
     f32 = "float32"
     for dtype in T.FLOAT_DTYPES:
         M, N = 16384, 4096
@@ -998,3 +1096,18 @@ def compile_cases():
                 lambda x=x, h=h, w=w, s=stat, p=partials, r=rowstats: norm_bwd(
                     h, w, None, s, x, x, w, T.SpecTensor((1,) + tuple(p[1:]), f32), rowstats=r, dx1=x,
                     dropout_p=0.1, seed=1, is_rms_norm=True, counters=T.SpecTensor((COUNTERS,), "int32"))
+            partials, _ = bwd_workspace_shapes(M, N, True, has_weight1=True, has_bias1=True)
+            yield f"layer_norm_fwd[{dtype},N={N},residual,weight1,bias1]", lambda x=x, h=h, w=w, s=stat: norm_fwd(
+                x, w, w, x, s, s, residual=x, residual_out=h, weight1=w, bias1=w, y1=x)
+            yield f"layer_norm_bwd[{dtype},N={N},residual,weight1,bias1]", \
+                lambda x=x, h=h, w=w, s=stat, p=partials, r=rowstats: norm_bwd(
+                    h, w, s, s, x, x, w, T.SpecTensor(p, f32), dbias=w, dresidual=x, rowstats=r, weight1=w, dy1=x,
+                    dweight1=w, dbias1=w, counters=T.SpecTensor((COUNTERS,), "int32"))
+
+        M, N = 4096, 3000
+        x, w, stat = T.SpecTensor((M, N), dtype), T.SpecTensor((N,), dtype), T.SpecTensor((M,), f32)
+        partials, _ = bwd_workspace_shapes(M, N, False, has_weight1=True)
+        yield f"rms_norm_fwd[{dtype},N={N},weight1]", lambda x=x, w=w, s=stat: norm_fwd(
+            x, w, None, x, None, s, is_rms_norm=True, weight1=w, y1=x)
+        yield f"rms_norm_bwd[{dtype},N={N},weight1]", lambda x=x, w=w, s=stat, p=partials: norm_bwd(
+            x, w, None, s, x, x, w, T.SpecTensor(p, f32), is_rms_norm=True, weight1=w, dy1=x, dweight1=w)
