@@ -235,3 +235,82 @@ def test_bad_input_raises_clear_errors():
         ssd_chunked_bwd(x, x, dt, A, B, B, cs[:, :, :1], cs, states, CB, x, dt, A, B, B, chunk_size=4)
     with pytest.raises(ValueError, match="z, dz, out_x"):
         ssd_chunked_bwd(x, x, dt, A, B, B, cs, cs, states, CB, x, dt, A, B, B, chunk_size=4, z=x)
+
+
+# ----------------------------------------------------------------------------------------------
+# deterministic mode (issue #18): the Triton backward uses atomics, so the op takes the reference
+
+
+def _op_inputs(batch=1, seqlen=16, nheads=2, headdim=4, ngroups=1, dstate=4):
+    def leaf(shape, scale=1.0, offset=0.0):
+        t = paddle.to_tensor((np.random.randn(*shape) * scale + offset).astype(np.float32))
+        t.stop_gradient = False
+        return t
+    return dict(x=leaf((batch, seqlen, nheads, headdim)), dt=leaf((batch, seqlen, nheads), 0.5, -1.0),
+                A=paddle.to_tensor(-np.exp(np.random.randn(nheads)).astype(np.float32)),
+                B=leaf((batch, seqlen, ngroups, dstate)), C=leaf((batch, seqlen, ngroups, dstate)),
+                chunk_size=16, D=leaf((nheads,)), dt_softplus=True)
+
+
+def test_deterministic_routes_to_the_reference(monkeypatch):
+    """deterministic=True, and None under FLAGS_cudnn_deterministic, take the reference when a gradient
+    can follow (False, the unset flag and a call under no_grad keep Triton); backend='triton' with it
+    raises; auto on the GPU warns once, naming the cost; anything but None or a bool is a TypeError."""
+    from paddlenlp_fused.ops import ssd as ssd_ops
+    from paddlenlp_fused.runtime import backend as rb
+    from paddlenlp_fused.runtime.backend import BackendUnavailableError
+
+    chosen = []
+    real = ssd_ops.choose_backend
+    monkeypatch.setattr(ssd_ops, "choose_backend", lambda *a, **k: (chosen.append(real(*a, **k)), chosen[-1])[1])
+    a = _op_inputs()
+    want = ssd_chunked_ref(a["x"], a["dt"], a["A"], a["B"], a["C"], 16, D=a["D"], dt_softplus=True)[0]
+    for deterministic, env in ((True, None), (None, "1"), (False, "1"), (None, None)):
+        if env is None:
+            monkeypatch.delenv("FLAGS_cudnn_deterministic", raising=False)
+        else:
+            monkeypatch.setenv("FLAGS_cudnn_deterministic", env)
+        y = ssd_ops.mamba_chunk_scan_combined(**a, deterministic=deterministic)
+        if chosen[-1] == "reference":
+            np.testing.assert_array_equal(y.numpy(), want.numpy())
+    with paddle.no_grad():
+        ssd_ops.mamba_chunk_scan_combined(**a, deterministic=True)
+    assert chosen == ["reference", "reference", "triton", "triton", "triton"]
+    with pytest.raises(BackendUnavailableError, match="'triton' does not support this call: deterministic"):
+        ssd_ops.mamba_chunk_scan_combined(**a, backend="triton", deterministic=True)
+    for bad in (1, "on"):
+        with pytest.raises(TypeError, match="deterministic: expected None, True or False"):
+            ssd_ops.mamba_chunk_scan_combined(**a, deterministic=bad)
+    monkeypatch.setattr(rb, "_warned", set())
+    monkeypatch.setattr(rb, "backend_status", lambda name, device: rb.BackendStatus(True, ""))
+    with pytest.warns(RuntimeWarning, match=r"falling back to the reference backend \(triton: deterministic .*"
+                                            r"pure Paddle autograd: slower"):
+        assert rb.resolve_backend("mamba_chunk_scan_combined", "auto", "gpu", implemented=ssd_ops.IMPLEMENTED,
+                                  unsupported=ssd_ops._triton_unsupported(16, True)) == "reference"
+
+
+def test_mamba2_inner_path_passes_deterministic_on(monkeypatch):
+    """mamba_split_conv1d_scan_combined hands deterministic to its conv and SSD, and refuses an explicit
+    Triton SSD before the forward when a deterministic gradient is to be computed."""
+    from paddlenlp_fused.ops import mamba2 as mamba2_ops
+    from paddlenlp_fused.runtime.backend import BackendUnavailableError
+
+    seen = []
+    for name in ("causal_conv1d_fn", "mamba_chunk_scan_combined"):
+        real = getattr(mamba2_ops, name)
+        monkeypatch.setattr(mamba2_ops, name, lambda *a, _real=real, _name=name, **k: (
+            seen.append((_name, k.get("deterministic"))), _real(*a, **k))[1])
+    batch, seqlen, nheads, headdim, dstate = 1, 16, 2, 4, 4
+    dim = nheads * headdim
+    conv_dim = dim + 2 * dstate
+
+    def leaf(shape, scale=1.0):
+        t = paddle.to_tensor((np.random.randn(*shape) * scale).astype(np.float32))
+        t.stop_gradient = False
+        return t
+    args = (leaf((batch, seqlen, 2 * dim + 2 * dstate + nheads)), leaf((conv_dim, 4), 0.5), leaf((conv_dim,)),
+            leaf((nheads,)), paddle.to_tensor(-np.exp(np.random.randn(nheads)).astype(np.float32)), leaf((nheads,)), 16)
+    mamba2_ops.mamba_split_conv1d_scan_combined(*args, headdim=headdim, backend="reference", deterministic=True)
+    assert seen == [("causal_conv1d_fn", True), ("mamba_chunk_scan_combined", True)]
+    with pytest.raises(BackendUnavailableError, match="'triton' does not support this call: deterministic"):
+        mamba2_ops.mamba_split_conv1d_scan_combined(*args, headdim=headdim, backend="triton", deterministic=True)

@@ -3,7 +3,8 @@
 ``mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
 initial_states=None, seq_idx=None, dt_limit=(0.0, inf), return_final_states=False, activation="silu",
 rmsnorm_weight=None, rmsnorm_eps=1e-6, outproj_weight=None, outproj_bias=None, headdim=None, ngroups=1,
-norm_before_gate=False, checkpoint_lvl=1)`` (``mamba_ssm``'s semantics, plus ``backend=``):
+norm_before_gate=False, checkpoint_lvl=1)`` (``mamba_ssm``'s semantics, plus ``backend=`` and
+``deterministic=``):
 
 * zxbcdt ``[batch, seqlen, 2 * dim + 2 * ngroups * dstate + nheads]`` split as ``z [dim]``,
   ``xBC [dim + 2 * ngroups * dstate]``, ``dt [nheads]`` with ``dim = nheads * headdim``;
@@ -31,6 +32,9 @@ Two paths compute the same thing:
   conv's graph), so backward skips the conv's forward; ``1`` (default) recomputes it. Gradients are
   the same at both levels. Each piece runs on ``backend`` (conv and gated norm: Triton; SSD: the
   backend ``mamba_chunk_scan_combined`` takes for it).
+* ``deterministic`` (None follows ``FLAGS_cudnn_deterministic``) goes to the conv (weight gradients
+  summed in a fixed order) and to the SSD (the reference backend when a gradient is computed: the
+  Triton SSD backward uses atomics; so ``backend="triton"`` with it raises).
 
 ``mamba2_state_update(ssm_state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True,
 dt_limit=(0.0, inf))``: one decoding step of the multi-head scan (see its docstring), on the Triton
@@ -46,11 +50,13 @@ import paddle
 from ..kernels.triton.state_update import selective_state_update as state_update_launch
 from ..reference.ssd import NO_DT_LIMIT, process_dt, selective_state_update_multihead_ref
 from ..runtime.backend import resolve_backend
+from ..runtime.determinism import deterministic_requested
 from ..runtime.triton_paddle import triton_args, triton_scoped
 from ._checks import check_eps, check_tensor, contiguous, device_of
 from ._pylayer import TritonPyLayer, add, check_shape, empty_on, grads_for, mm, needs_grad, run_in_place
 from .causal_conv1d import causal_conv1d_fn
 from .norm import rmsnorm_gated_fn
+from .ssd import choose_backend as ssd_backend
 from .ssd import mamba_chunk_scan_combined
 
 IMPLEMENTED = ("triton", "reference")
@@ -109,6 +115,7 @@ class _Options(NamedTuple):
     return_final_states: bool
     checkpoint_lvl: int
     backend: str
+    deterministic: bool
 
 
 def _split_zxbcdt(zxbcdt, o):
@@ -119,7 +126,8 @@ def _split_zxbcdt(zxbcdt, o):
 def _conv(xBC, conv1d_weight, conv1d_bias, seq_idx, o):
     """The depthwise causal conv + activation on xBC ``[batch, seqlen, conv_dim]``."""
     return causal_conv1d_fn(xBC.transpose([0, 2, 1]), conv1d_weight, conv1d_bias, seq_idx=seq_idx,
-                            activation=o.activation, backend=o.backend).transpose([0, 2, 1])
+                            activation=o.activation, backend=o.backend,
+                            deterministic=o.deterministic).transpose([0, 2, 1])
 
 
 def _after_conv(xBC, z, dt, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight, outproj_bias, seq_idx,
@@ -134,7 +142,7 @@ def _after_conv(xBC, z, dt, dt_bias, A, D, initial_states, rmsnorm_weight, outpr
         C.reshape([batch, seqlen, o.ngroups, o.dstate]), o.chunk_size, D=D,
         z=None if rmsnorm_weight is not None else z4, dt_bias=dt_bias, initial_states=initial_states,
         seq_idx=seq_idx, dt_softplus=True, dt_limit=o.dt_limit, return_final_states=o.return_final_states,
-        backend=o.backend)
+        backend=o.backend, deterministic=o.deterministic)
     y, final_states = scan if o.return_final_states else (scan, None)
     y = y.reshape([batch, seqlen, o.dim])
     if rmsnorm_weight is not None:
@@ -224,8 +232,9 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
                                      return_final_states=False, activation="silu", rmsnorm_weight=None,
                                      rmsnorm_eps=1e-6, outproj_weight=None, outproj_bias=None, headdim=None,
                                      ngroups=1, norm_before_gate=False, checkpoint_lvl: int = 1,
-                                     backend: str = "auto"):
+                                     backend: str = "auto", deterministic=None):
     """The Mamba-2 inner path (see the module docstring for shapes, results and the two paths)."""
+    deterministic = deterministic_requested(deterministic)
     dim, nheads, headdim, dstate = _split_sizes(zxbcdt, conv1d_weight, A, D, headdim, ngroups)
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation: expected None, 'silu' or 'swish', got {activation!r}")
@@ -249,12 +258,14 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
             raise ValueError(f"outproj_bias: expected [{outproj_weight.shape[1]}], got {list(outproj_bias.shape)}")
     o = _Options(dim, nheads, headdim, dstate, ngroups, int(chunk_size), tuple(float(v) for v in dt_limit),
                  activation, check_eps("rmsnorm_eps", rmsnorm_eps), bool(norm_before_gate),
-                 bool(return_final_states), int(checkpoint_lvl), backend)
+                 bool(return_final_states), int(checkpoint_lvl), backend, deterministic)
     tensors = (zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
                outproj_bias)
     chosen = resolve_backend("mamba_split_conv1d_scan_combined", backend, device_of(zxbcdt),
                              implemented=IMPLEMENTED)
     wants_grad = paddle.is_grad_enabled() and any(t is not None and not t.stop_gradient for t in tensors)
+    if deterministic and wants_grad:  # the SSD's backend now: the PyLayer meets it only in its backward
+        ssd_backend(backend, zxbcdt, chunk_size, deterministic=True)
     if chosen == "reference" or not wants_grad:
         out, final_states = _composition(*tensors, seq_idx, o)
         return (out, final_states) if return_final_states else out

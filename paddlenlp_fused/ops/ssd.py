@@ -2,7 +2,7 @@
 
 ``mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
 initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, inf),
-return_final_states=False, return_varlen_states=False, state_dtype=None)``:
+return_final_states=False, return_varlen_states=False, state_dtype=None, deterministic=None)``:
 
 * x, z ``[batch, seqlen, nheads, headdim]``; dt ``[batch, seqlen, nheads]``; A, dt_bias ``[nheads]``;
   B, C ``[batch, seqlen, ngroups, dstate]`` with ngroups dividing nheads; D ``[nheads]`` or
@@ -29,6 +29,13 @@ Backends: ``reference`` (pure Paddle SSD in float32, differentiable by autograd)
 final_states are differentiable through the backward kernels; the varlen states, when a gradient can
 reach them, come from ``reference.ssd.varlen_states_ref`` (a per-sequence weighted ``x^T B``, Paddle
 autograd adding its gradients to the kernels'), else from the forward kernels (``ssd_states_at``).
+
+``deterministic`` (None follows ``FLAGS_cudnn_deterministic``, see ``runtime/determinism.py``): the
+Triton backward adds its gradients (dA, dB, dC, dD, ddt, ddt_bias) with fp32 atomics, so a call that
+asks for bit-reproducible gradients, and can be differentiated, runs on the reference backend:
+``auto`` takes it (warning once on the GPU), an explicit ``backend="triton"`` raises
+``BackendUnavailableError``. The reference is pure Paddle autograd in float32: slower, and it keeps
+every intermediate for the backward.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from ..kernels.triton import ssd as K
 from ..reference import ssd as ref
 from ..runtime import tensor as T
 from ..runtime.backend import resolve_backend
+from ..runtime.determinism import deterministic_requested
 from ..runtime.triton_paddle import triton_args
 from ._checks import check_tensor, contiguous, device_of
 from ._pylayer import TritonPyLayer, cast_like, check_shape, empty_on, grads_for, needs_grad, zeros32_on
@@ -128,16 +136,26 @@ def cu_seqlens_to_seq_idx(bounds, seqlen):
     return paddle.to_tensor(np.repeat(np.arange(lengths.size, dtype=np.int32), lengths)[None, :seqlen])
 
 
-def _triton_unsupported(chunk_size):
+def _triton_unsupported(chunk_size, deterministic=False):
     def why(name):
         if name != "triton":
             return None
+        if deterministic:
+            return ("deterministic (the Triton SSD backward adds its gradients with fp32 atomics; the reference "
+                    "backend is pure Paddle autograd: slower, and it keeps every intermediate)")
         try:
             K.check_chunk_size(int(chunk_size))
         except ValueError as exc:
             return str(exc)
         return None
     return why
+
+
+def choose_backend(backend, x, chunk_size, deterministic=False):
+    """The SSD's backend for one call (``resolve_backend``); ``deterministic``: a backward follows that
+    must be bit-reproducible."""
+    return resolve_backend("mamba_chunk_scan_combined", backend, device_of(x), implemented=IMPLEMENTED,
+                           unsupported=_triton_unsupported(chunk_size, deterministic))
 
 
 class SSDChunkedFunction(TritonPyLayer):
@@ -214,14 +232,16 @@ class SSDChunkedFunction(TritonPyLayer):
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
                               seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
                               return_final_states=False, return_varlen_states=False, state_dtype=None,
-                              backend: str = "auto"):
-    """The Mamba-2 SSD scan (see the module docstring for shapes and results)."""
+                              backend: str = "auto", deterministic=None):
+    """The Mamba-2 SSD scan (see the module docstring for shapes and results). ``deterministic``: None
+    follows ``FLAGS_cudnn_deterministic``; True (with a gradient to compute) takes the reference."""
     bounds = _check_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_limit,
                          return_varlen_states)
     state_dtype = _state_dtype_name(state_dtype, x)
-    device = device_of(x)
-    chosen = resolve_backend("mamba_chunk_scan_combined", backend, device, implemented=IMPLEMENTED,
-                             unsupported=_triton_unsupported(chunk_size))
+    # the forward kernels are deterministic: only a call with a backward to follow needs the reference
+    deterministic = deterministic_requested(deterministic) and paddle.is_grad_enabled() and any(
+        needs_grad(x, dt, A, B, C, D, z, dt_bias, initial_states))
+    chosen = choose_backend(backend, x, chunk_size, deterministic)
     if bounds is not None:
         seq_idx = cu_seqlens_to_seq_idx(bounds, x.shape[1])
     states_at = (bounds[1:] - 1).tolist() if return_varlen_states else None
