@@ -10,7 +10,7 @@ import pytest
 from paddlenlp_fused.kernels.triton.adamw import (BLOCK, ITERS, adamw_multi_tensor, all_aligned, hyper_rows,
                                                   offsets_table, plan_chunks, step_seed, table_aligned)
 from paddlenlp_fused.optimizer.adamw import STEP_KEY, FusedAdamW
-from paddlenlp_fused.reference.adamw import adamw_step_ref, stochastic_round
+from paddlenlp_fused.reference.adamw import adamw_multi_tensor_ref, adamw_step_ref, stochastic_round
 from paddlenlp_fused.runtime.triton_paddle import triton_args
 from paddlenlp_fused.runtime.backend import BackendUnavailableError
 from paddlenlp_fused.testing.numerics import assert_close
@@ -330,22 +330,145 @@ def test_reference_stochastic_round_matches_its_definition(dtype):
     assert np.isnan(nan.astype("float32").numpy()).all()
 
 
-def test_reference_random_bits_continue_across_blocks():
-    """bf16 moments rounded stochastically on a tensor of several of the reference's blocks: the
-    random values are numpy Philox's ``integers(0, 2^16)`` keyed by random_key + (output,), in
-    element order, so the stored moments equal the definition applied to those draws."""
-    n = 100003
+@pytest.mark.parametrize("sizes", [[100003], [5, 40000, 0, 3, 70001, 1]])
+def test_reference_random_bits_continue_across_blocks_and_tensors(sizes):
+    """bf16 moments rounded stochastically on one tensor or a group spanning several of the
+    reference's blocks: the random values are numpy SFC64's 64-bit outputs seeded by random_key +
+    (output,), each cut into four uint16 (lowest first), over the group's elements in order, so the
+    stored moments equal the definition applied to those draws."""
+    n = sum(sizes)
     g32 = (np.random.default_rng(5).standard_normal(n) * 0.3).astype(np.float32)
-    tensors = (paddle.ones([n]), paddle.to_tensor(g32), paddle.zeros([n], "bfloat16"),
-               paddle.zeros([n], "bfloat16"), None)
-    hyper = hyper_rows(1e-3, 0.0, 0.9, 0.999, 1e-8, 0.9, 0.999)[0]
-    adamw_step_ref(*tensors, hyper, stochastic_rounding=True, random_key=(4, 2, 9))
-    m32 = g32 * np.float32(hyper[1])  # from zero moments: one product each
-    v32 = g32 * np.float32(hyper[3]) * g32
+    grads = [paddle.to_tensor(part) for part in np.split(g32, np.cumsum(sizes)[:-1])]
+    tensors = ([paddle.ones([s]) for s in sizes], grads, [paddle.zeros([s], "bfloat16") for s in sizes],
+               [paddle.zeros([s], "bfloat16") for s in sizes], None)
+    hyper = hyper_rows(1e-3, 0.0, 0.9, 0.999, 1e-8, 0.9, 0.999)
+    adamw_multi_tensor_ref(*tensors, np.repeat(hyper, len(sizes), axis=0), stochastic_rounding=True,
+                           random_key=(4, 2, 9))
+    m32 = g32 * np.float32(hyper[0, 1])  # from zero moments: one product each
+    v32 = g32 * np.float32(hyper[0, 3]) * g32
     for k, (got, exact) in enumerate(((tensors[2], m32), (tensors[3], v32))):
-        draws = np.random.Generator(np.random.Philox(np.random.SeedSequence([4, 2, 9, k]))).integers(
-            0, 1 << 16, n, dtype=np.int32)
-        np.testing.assert_array_equal(to64(got), _stochastic_round64(exact, "bfloat16", draws), err_msg=f"moment {k}")
+        raw = np.random.SFC64(np.random.SeedSequence([4, 2, 9, k])).random_raw((n + 3) // 4)
+        draws = raw.astype("<u8").view("<u2")[:n].astype(np.int64)
+        stored = np.concatenate([to64(t) for t in got])
+        np.testing.assert_array_equal(stored, _stochastic_round64(exact, "bfloat16", draws), err_msg=f"moment {k}")
+
+
+# tensors that cross the reference's blocks (1 << 15 elements), tiny ones, an empty one
+GROUP_SHAPES = [(3, 7), (20000,), (1,), (0,), (50001,), (129, 33), (5,)]
+
+
+@pytest.mark.parametrize("param_dtype,moment_dtype,master", [
+    ("float32", "float32", False), ("float32", "bfloat16", False), ("bfloat16", "bfloat16", True),
+    ("float16", "float16", True), ("bfloat16", "bfloat16", False), ("float16", "float32", False)])
+def test_reference_group_equals_per_tensor(param_dtype, moment_dtype, master):
+    """Round-to-nearest storage: one adamw_multi_tensor_ref call over a group (per-tensor
+    hyper-parameters that differ in some blocks and agree in others, a transposed grad) updates
+    every tensor bit for bit as adamw_step_ref on each tensor alone, over 2 steps."""
+    n = len(GROUP_SHAPES)
+    params = [randn(s, param_dtype) for s in GROUP_SHAPES]
+    grads = [randn(s[::-1], param_dtype, scale=0.3).t() if len(s) == 2 else randn(s, param_dtype, scale=0.3)
+             for s in GROUP_SHAPES]
+    assert not grads[0].is_contiguous()
+    exp_avgs = [randn(s, moment_dtype, scale=0.05) for s in GROUP_SHAPES]
+    exp_avg_sqs = [(randn(s, "float32", scale=0.03) ** 2).astype(moment_dtype) for s in GROUP_SHAPES]
+    masters = [p.astype("float32") + randn(p.shape, scale=1e-3) for p in params] if master else None
+    group = [params, grads, exp_avgs, exp_avg_sqs, masters]
+    alone = _clone(group)
+    for t in (1, 2):
+        lr = np.array([3e-3, 1e-2, 1e-2, 1e-2, 1e-2, 5e-3, 2e-2])
+        wd = np.array([0.1, 0.0, 0.0, 0.0, 0.0, 0.05, 0.1])
+        hyper = hyper_rows(lr, wd, 0.9, 0.999, 1e-8, np.float32(0.9) ** t, np.float32(0.999) ** t)
+        adamw_multi_tensor_ref(*group, hyper)
+        for i in range(n):
+            adamw_step_ref(*(ts[i] if ts is not None else None for ts in alone), hyper[i])
+        for kind, got, want in zip(("param", "grad", "exp_avg", "exp_avg_sq", "master"), group, alone):
+            for i in range(n) if got is not None else ():
+                np.testing.assert_array_equal(to64(got[i]), to64(want[i]), err_msg=f"{kind}[{i}] step {t}")
+
+
+def _mixed_model():
+    """fp32 Linear layers, a bf16 and an fp16 gain (two more dtype groups), a frozen parameter and
+    one that gets no gradient, under fixed names."""
+    with paddle.utils.unique_name.guard():
+        paddle.seed(11)
+        model = paddle.nn.Sequential(paddle.nn.Linear(12, 40), paddle.nn.GELU(), paddle.nn.Linear(40, 3))
+        for name, dtype in (("gain_bf16", "bfloat16"), ("gain_fp16", "float16"), ("frozen", "float32"),
+                            ("unused", "float32")):
+            setattr(model, name, paddle.create_parameter([3], dtype,
+                                                         default_initializer=paddle.nn.initializer.Constant(1.0)))
+        model.frozen.stop_gradient = True
+    return model
+
+
+def _mixed_forward(model, x):
+    return model(x) * model.gain_bf16.astype("float32") * model.gain_fp16.astype("float32") * model.frozen
+
+
+@pytest.mark.parametrize("moment_dtype", ["bfloat16", "float32"])
+def test_reference_optimizer_equals_kernel_on_groups(moment_dtype):
+    """The optimizer's reference path (one call per dtype group) against the Triton kernel in the
+    interpreter, round-to-nearest: parameter groups with their own rates and betas, decay kept off the
+    biases, fp32 / bf16 (master weights) / fp16 parameters, a frozen parameter and one without a
+    gradient: bit for bit over 3 steps, and the frozen and unused ones untouched."""
+    x, y = _data()
+    results = {}
+    for backend in ("triton", "reference"):
+        model = _mixed_model()
+        groups = [{"params": model[0].parameters() + [model.gain_fp16], "learning_rate": 0.5, "beta1": 0.8},
+                  {"params": model[2].parameters() + [model.gain_bf16, model.frozen, model.unused], "beta2": 0.99}]
+        opt = FusedAdamW(1e-2, parameters=groups, weight_decay=0.1, apply_decay_param_fun=_no_decay_for_bias,
+                         moment_dtype=moment_dtype, stochastic_rounding=False, backend=backend)
+        for _ in range(3):
+            ((_mixed_forward(model, x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.clear_grad()
+        state = opt.state_dict()
+        results[backend] = ([to64(p) for p in model.parameters()],
+                            {k: to64(v) for k, v in state.items() if isinstance(v, paddle.Tensor) and k != STEP_KEY},
+                            {k: to64(v) for k, v in state["master_weights"].items()})
+        np.testing.assert_array_equal(to64(model.frozen), np.ones(3))
+        np.testing.assert_array_equal(to64(model.unused), np.ones(3))
+        assert not any(model.unused.name in k or model.frozen.name in k for k in results[backend][1])
+    for got, want in zip(results["reference"], results["triton"]):
+        if isinstance(got, dict):
+            assert got.keys() == want.keys()
+            got, want = [got[k] for k in sorted(got)], [want[k] for k in sorted(want)]
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_reference_state_dict_round_trip_with_groups(tmp_path):
+    """The reference path with stochastic rounding over several dtype groups: save after 3 steps,
+    continue 3; a fresh model and optimizer loaded from the files take the same 3 steps bit for bit
+    (the random streams are keyed by the saved step and seed)."""
+    x, y = _data()
+
+    def make():
+        model = _mixed_model()
+        return model, FusedAdamW(2e-2, parameters=model.parameters(), weight_decay=0.1, backend="reference")
+
+    def train(model, opt, steps):
+        losses = []
+        for _ in range(steps):
+            loss = ((_mixed_forward(model, x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            losses.append(float(loss))
+        return losses
+
+    model, opt = make()
+    train(model, opt, 3)
+    paddle.save(model.state_dict(), str(tmp_path / "model.pdparams"))
+    paddle.save(opt.state_dict(), str(tmp_path / "opt.pdopt"))
+    expected_losses = train(model, opt, 3)
+    model2, opt2 = make()
+    model2.set_state_dict(paddle.load(str(tmp_path / "model.pdparams")))
+    opt2.set_state_dict(paddle.load(str(tmp_path / "opt.pdopt")))
+    assert train(model2, opt2, 3) == expected_losses
+    for a, b in zip(model.parameters(), model2.parameters()):
+        np.testing.assert_array_equal(to64(a), to64(b))
+
 
 # --- state dict, convergence, memory ----------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ from paddle.optimizer.lr import LambdaDecay, LRScheduler
 from ..kernels.triton.adamw import (MOMENT_DTYPES, adamw_multi_tensor, check_group, hyper_rows, offsets_table,
                                     plan_chunks, step_seed, table_aligned)
 from ..ops._checks import check_eps
-from ..reference.adamw import adamw_step_ref
+from ..reference.adamw import adamw_multi_tensor_ref
 from ..runtime import tensor as T
 from ..runtime.backend import BACKENDS, BackendUnavailableError, resolve_backend
 from ..runtime.triton_paddle import triton_args
@@ -370,24 +370,35 @@ class FusedAdamW(Optimizer):
         backend = resolve_backend("FusedAdamW", self._backend, T.device_kind(work[0][0]),
                                   implemented=IMPLEMENTED)
         if backend == "reference":
-            for i, ((param, grad, _), state) in enumerate(zip(work, states)):
-                adamw_step_ref(param, grad, state.exp_avg, state.exp_avg_sq, state.master, rows[i],
-                               self._stochastic_rounding, random_key=(self._seed, self._step_count, i))
+            self._step_reference(work, states, rows)
         else:
             self._step_triton(work, states, rows)
         for (_, _, group), state in zip(work, states):
             state.beta1_pow = np.float32(state.beta1_pow * np.float32(group["beta1"]))
             state.beta2_pow = np.float32(state.beta2_pow * np.float32(group["beta2"]))
 
-    def _step_triton(self, work, states, rows) -> None:
-        """One launch per (param dtype, grad dtype, master or not) group. A group is checked in full
-        when first seen; later steps check only the grads (shape in step(), contiguity and dtype
-        here), so the host work per step stays small next to the kernel."""
-        launches: Dict[tuple, List[int]] = OrderedDict()
+    @staticmethod
+    def _dtype_groups(work, states) -> Dict[tuple, List[int]]:
+        """Indices into ``work`` by (param dtype, grad dtype, master or not): one update each."""
+        groups: Dict[tuple, List[int]] = OrderedDict()
         for i, ((param, grad, _), state) in enumerate(zip(work, states)):
-            launches.setdefault((T.dtype_name(param), T.dtype_name(grad), state.master is not None), []).append(i)
+            groups.setdefault((T.dtype_name(param), T.dtype_name(grad), state.master is not None), []).append(i)
+        return groups
+
+    def _step_reference(self, work, states, rows) -> None:
+        """One reference call per dtype group, its random streams keyed by the step and the group."""
+        for index, (kind, members) in enumerate(self._dtype_groups(work, states).items()):
+            adamw_multi_tensor_ref([work[i][0] for i in members], [work[i][1] for i in members],
+                                   [states[i].exp_avg for i in members], [states[i].exp_avg_sq for i in members],
+                                   [states[i].master for i in members] if kind[2] else None, rows[members],
+                                   self._stochastic_rounding, random_key=(self._seed, self._step_count, index))
+
+    def _step_triton(self, work, states, rows) -> None:
+        """One launch per dtype group. A group is checked in full when first seen; later steps check
+        only the grads (shape in step(), contiguity and dtype here), so the host work per step stays
+        small next to the kernel."""
         seed = step_seed(self._seed, self._step_count)
-        for index, (kind, members) in enumerate(launches.items()):
+        for index, (kind, members) in enumerate(self._dtype_groups(work, states).items()):
             params = [work[i][0] for i in members]
             grads = [work[i][1] if work[i][1].is_contiguous() else work[i][1].contiguous() for i in members]
             exp_avgs = [states[i].exp_avg for i in members]
