@@ -3,7 +3,14 @@
 import numpy as np
 import pytest
 
-from paddlenlp_fused.testing.numerics import ELEMENTWISE_FACTOR, assert_close, bound_for, max_err, rel_err
+from paddlenlp_fused.testing.numerics import (ELEMENTWISE_FACTOR, RATIO_LOG_ENV, assert_close, bound_for, max_err,
+                                              rel_err)
+
+
+@pytest.fixture(autouse=True)
+def _no_ratio_log(monkeypatch):
+    """These checks fail on purpose: they stay out of a flake hunt's log."""
+    monkeypatch.delenv(RATIO_LOG_ENV, raising=False)
 
 
 def _rounded(ref, u):
