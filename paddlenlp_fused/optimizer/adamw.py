@@ -38,7 +38,7 @@ from ..ops._checks import check_eps
 from ..reference.adamw import adamw_multi_tensor_ref
 from ..runtime import tensor as T
 from ..runtime.backend import BACKENDS, BackendUnavailableError, resolve_backend
-from ..runtime.triton_paddle import triton_args
+from ..runtime.triton_paddle import triton_args, triton_scoped
 
 STEP_KEY = "FusedAdamW.step_seed"
 _SIXTEEN_BIT = ("float16", "bfloat16")
@@ -393,6 +393,7 @@ class FusedAdamW(Optimizer):
                                    [states[i].master for i in members] if kind[2] else None, rows[members],
                                    self._stochastic_rounding, random_key=(self._seed, self._step_count, index))
 
+    @triton_scoped
     def _step_triton(self, work, states, rows) -> None:
         """One launch per dtype group. A group is checked in full when first seen; later steps check
         only the grads (shape in step(), contiguity and dtype here), so the host work per step stays
