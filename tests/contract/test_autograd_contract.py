@@ -191,6 +191,33 @@ def test_other_consumers_paddle_grad(entry, backend):
         _check_grad(case, name, g, "paddle.grad", _other_consumers(t))
 
 
+def test_paddle_grad_over_a_subset_of_pylayer_inputs():
+    """Paddle's partial-gradient pass requires a PyLayer's backward to return None for the inputs not
+    asked for and does not tell it which (docs/autograd.md): any PyLayer fails there, so the ops'
+    PyLayers cannot do better; the ways round it that the docs give work."""
+    class Product(paddle.autograd.PyLayer):
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            ctx.needs = (not a.stop_gradient, not b.stop_gradient)  # what the ops' PyLayers know
+            return a * b
+
+        @staticmethod
+        def backward(ctx, g):
+            a, b = ctx.saved_tensor()
+            return tuple(grad if need else None for grad, need in zip((g * b, g * a), ctx.needs))
+
+    a, b = paddle.randn([3]), paddle.randn([3])
+    a.stop_gradient = b.stop_gradient = False
+    with pytest.raises(ValueError, match="should return None at 1 position"):
+        paddle.grad(Product.apply(a, b), [a])
+    (da, _) = paddle.grad(Product.apply(a, b), [a, b])  # every input that requires a gradient
+    np.testing.assert_array_equal(da.numpy(), b.numpy())
+    b.stop_gradient = True  # or stop the others before the call
+    (da,) = paddle.grad(Product.apply(a, b), [a])
+    np.testing.assert_array_equal(da.numpy(), b.numpy())
+
+
 # ---- stop_gradient mixes, no_grad, eval ----------------------------------------------------------
 
 @pytest.mark.parametrize("entry,backend", _backend_params(ENTRIES, "stop_gradient"))
