@@ -2,7 +2,7 @@
 float64 (``paddle.nn.functional.layer_norm`` or a float64 composition), values and the gradients of
 every input, through the Paddle ops; residual / prenorm / residual_in_fp32; weight dtypes and
 offset; the chunked and column-slab kernel paths at the launcher; layers and their state dicts;
-bad input."""
+bad input; flash-attn's second output (weight1, bias1) and preallocated outputs (out, residual_out)."""
 
 import numpy as np
 import paddle
@@ -13,7 +13,8 @@ from paddlenlp_fused.kernels.triton import norm as triton_norm
 from paddlenlp_fused.layers.norm import FusedLayerNorm, FusedRMSNorm, GatedRMSNorm
 from paddlenlp_fused.ops.norm import layer_norm_fn, rms_norm_fn, rmsnorm_gated_fn
 from paddlenlp_fused.runtime.triton_paddle import triton_args
-from paddlenlp_fused.testing.numerics import assert_close
+from paddlenlp_fused.runtime import backend as runtime_backend
+from paddlenlp_fused.testing.numerics import assert_close, assert_close_to_terms, assert_sum_close
 from helpers import DTYPES, as_leaf64, randn, to64
 
 BACKENDS = ["triton", "reference"]
@@ -223,11 +224,8 @@ _EXTRAS = {  # flash-attn's options beyond residual/prenorm, one combination eac
 def test_flash_attn_extras_match_float64(extras, dtype, is_rms_norm, backend):
     """h = dropout(x * rowscale) + dropout(x1) + residual, y = norm(h) * w + b, y1 = norm(h) * w1 +
     b1, prenorm h: values and the gradients of every input (rowscale too) against float64 with the
-    returned keep-masks; the masks drop about dropout_p and are reproducible from the seed. (The
-    Triton kernels have no weight1: that case runs on the reference only.)"""
+    returned keep-masks; the masks drop about dropout_p and are reproducible from the seed."""
     opts = _EXTRAS[extras]
-    if backend == "triton" and opts.get("weight1"):
-        backend = "auto"  # routed to the reference
     shape, N, p = (4, 9, 37), 37, opts.get("dropout_p", 0.0)
     x = randn(shape, dtype, requires_grad=True)
     w, b = randn((N,), "float32", requires_grad=True), randn((N,), "float32", requires_grad=True)
@@ -291,16 +289,10 @@ def test_flash_attn_extras_match_float64(extras, dtype, is_rms_norm, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_flash_attn_extras_routing_and_seeds(backend):
-    """weight1 runs on the reference only (auto takes it; the Triton backend says why); the
-    dropout mask is a function of the seed, or of paddle.seed without one; the gradient uses the
-    forward's mask."""
-    from paddlenlp_fused.runtime.backend import BackendUnavailableError
+def test_flash_attn_extras_seeds(backend):
+    """The dropout mask is a function of the seed, or of paddle.seed without one; the gradient uses
+    the forward's mask."""
     x, w = randn((3, 8)), randn((8,))
-    with pytest.raises(BackendUnavailableError, match="weight1: implemented on the reference backend only"):
-        rms_norm_fn(x, w, None, weight1=w, backend="triton")
-    auto, ref = (rms_norm_fn(x, w, None, weight1=w, backend=name) for name in ("auto", "reference"))
-    np.testing.assert_array_equal(np.stack(auto), np.stack(ref))
     y = layer_norm_fn(x, w, None, dropout_p=0.5, seed=7, backend=backend)
     np.testing.assert_array_equal(y.numpy(), layer_norm_fn(x, w, None, dropout_p=0.5, seed=7, backend=backend).numpy())
     assert not np.array_equal(y.numpy(), layer_norm_fn(x, w, None, dropout_p=0.5, seed=8, backend=backend).numpy())
@@ -617,3 +609,280 @@ def test_non_finite_or_negative_eps_is_rejected(bad):
             call()
     with pytest.raises(TypeError, match="eps: expected a float"):
         rms_norm_fn(x, w, eps="1e-6")
+
+
+# ---- flash-attn's second output (weight1, bias1) and preallocated outputs (out, residual_out) ----------------
+
+_WEIGHTS = ("weight", "bias", "weight1", "bias1")
+
+
+def _norm64(inputs, h, is_rms_norm, eps=1e-5):
+    """float64 leaves of ``inputs`` (name -> tensor or None) and the outputs ([y, y1], h64) of h = x
+    + x1 + residual (rounded as the op's ``h``, with the identity's gradient), y = norm(h) * weight +
+    bias, y1 = norm(h) * weight1 + bias1."""
+    leaves = {name: as_leaf64(t) for name, t in inputs.items() if t is not None}
+    exact = leaves["x"]
+    for name in ("x1", "residual"):
+        if name in leaves:
+            exact = exact + leaves[name]
+    h64 = exact + (paddle.to_tensor(to64(h)) - exact).detach()
+    normed = _rms64(h64 if is_rms_norm else h64 - h64.mean(axis=-1, keepdim=True), eps)
+    ys = []
+    for w, b in (("weight", "bias"), ("weight1", "bias1")):
+        if w in leaves:
+            ys.append(normed * leaves[w] + (leaves[b] if b in leaves else 0.0))
+    return leaves, ys, h64
+
+
+def _check_grads64(label, names, grads, refs, dtype, h64, cots, weights, is_rms_norm, cot_h=None, eps=1e-5):
+    """Each input's gradient against float64: the weights' (sums over rows) by ``assert_sum_close``
+    over their terms' magnitudes; at N = 1 the stream's gradient is all cancellation (LayerNorm: 0
+    with rstd = 1 / sqrt(eps); RMSNorm: O(eps), xhat^2 ~ 1), so x's, x1's and residual's are
+    measured against the terms that cancel, rstd (|w dy| + |xhat mean(xhat w dy)| + |mean(w dy)|),
+    plus |cot_h| (h's cotangent, with prenorm). ``cots``: the cotangents of y (and y1) as float64
+    arrays; ``weights``: weight (and weight1) float64 arrays."""
+    h = h64.numpy()
+    N = h.shape[-1]
+    centred = h if is_rms_norm else h - h.mean(-1, keepdims=True)
+    rstd = 1.0 / np.sqrt((centred * centred).mean(-1, keepdims=True) + eps)
+    xhat = centred * rstd
+    by_weight = dict(zip(("weight", "weight1"), zip(weights, cots)))
+    for name, g, r in zip(names, grads, refs):
+        got, want = to64(g), r.numpy()
+        if name in _WEIGHTS:
+            dy = by_weight[name.replace("bias", "weight")][1]
+            terms = np.abs(dy * xhat if name.startswith("weight") else dy).reshape(-1, N).sum(0)
+            assert_sum_close(f"{label} d{name}", got, want, terms, dtype)
+        elif name in ("x", "x1", "residual") and N == 1:
+            wdy = sum(w * dy for w, dy in by_weight.values())
+            terms = rstd * (np.abs(wdy) + np.abs(xhat * (xhat * wdy).mean(-1, keepdims=True)) +
+                            (0.0 if is_rms_norm else np.abs(wdy.mean(-1, keepdims=True))))
+            assert_close_to_terms(f"{label} d{name}", got, want, terms + (0.0 if cot_h is None else np.abs(cot_h)),
+                                  dtype)
+        else:
+            assert_close(f"{label} d{name}", got, want, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N", [1, 37, 130, 3000])
+@pytest.mark.parametrize("case", ["layer_norm,x1,residual_in_fp32,bias1", "rms_norm,weight1 only"])
+def test_weight1_values_and_every_gradient(case, N, dtype, backend):
+    """flash-attn's parallel-residual form: y and y1 = norm(h) * weight1 (+ bias1) from one set of
+    statistics, h = x + x1 + residual in fp32 returned (LayerNorm, prenorm) or h = x (RMSNorm, weights
+    in x's dtype, no bias1): values and the gradients of every input against float64."""
+    is_rms = case.startswith("rms")
+    shape = (2, 3, N)
+    w_dtype = dtype if is_rms else "float32"
+    inputs = dict(x=randn(shape, dtype, requires_grad=True), weight=randn((N,), w_dtype, requires_grad=True),
+                  bias=None if is_rms else randn((N,), w_dtype, requires_grad=True),
+                  residual=None if is_rms else randn(shape, dtype, requires_grad=True),
+                  x1=None if is_rms else randn(shape, dtype, requires_grad=True),
+                  weight1=randn((N,), w_dtype, requires_grad=True),
+                  bias1=None if is_rms else randn((N,), w_dtype, requires_grad=True))
+    fn = rms_norm_fn if is_rms else layer_norm_fn
+    outs = fn(inputs["x"], inputs["weight"], inputs["bias"], inputs["residual"], inputs["x1"], inputs["weight1"],
+              inputs["bias1"], eps=1e-5, prenorm=not is_rms, residual_in_fp32=not is_rms, backend=backend)
+    ys, h = list(outs[:2]), (inputs["x"] if is_rms else outs[2])
+    assert all(y.dtype == inputs["x"].dtype and list(y.shape) == list(shape) for y in ys)
+    cots = [randn(shape, dtype) for _ in ys] + ([] if is_rms else [randn(shape, "float32")])
+    names = [name for name, t in inputs.items() if t is not None]
+    grads = paddle.grad(ys + ([] if is_rms else [h]), [inputs[n] for n in names], cots)
+
+    leaves, ys64, h64 = _norm64(inputs, h, is_rms)
+    refs = paddle.grad(ys64 + ([] if is_rms else [h64]), [leaves[n] for n in names],
+                       [paddle.to_tensor(to64(c)) for c in cots])
+    for i, (y, y64) in enumerate(zip(ys, ys64)):
+        assert_close(f"weight1 y{i}", to64(y), y64.numpy(), dtype)
+    if not is_rms:
+        assert_close("weight1 h", to64(h), h64.numpy(), dtype)
+    _check_grads64("weight1", names, grads, refs, dtype, h64, [to64(c) for c in cots[:2]],
+                   [to64(inputs["weight"]), to64(inputs["weight1"])], is_rms, None if is_rms else to64(cots[2]))
+
+
+def _np_norm_weight1(h, w, b, w1, b1, dy, dy1, eps, is_rms):
+    """float64 y, y1, dx and the four weights' gradients of a norm with a second output (numpy)."""
+    centred = h if is_rms else h - h.mean(-1, keepdims=True)
+    rstd = 1.0 / np.sqrt((centred * centred).mean(-1, keepdims=True) + eps)
+    xhat = centred * rstd
+    wdy = dy * w + dy1 * w1
+    dx = wdy - xhat * (xhat * wdy).mean(-1, keepdims=True) - (0.0 if is_rms else wdy.mean(-1, keepdims=True))
+    return dict(y=xhat * w + (0.0 if b is None else b), y1=xhat * w1 + (0.0 if b1 is None else b1), dx=dx * rstd,
+                dweight=(dy * xhat).sum(0), dbias=dy.sum(0), dweight1=(dy1 * xhat).sum(0), dbias1=dy1.sum(0))
+
+
+@pytest.mark.parametrize("is_rms_norm", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("max_block", [8, triton_norm.FWD_MAX_BLOCK], ids=["chunks and slabs", "one block"])
+def test_weight1_launcher_paths_poisoned(max_block, is_rms_norm):
+    """weight1 at the launchers, every output poisoned with NaN: one register block, or (max_block=8
+    for 37 columns) the chunked forward and the column-slab backward with its row-statistics
+    pre-pass; y1 and dy1 rows at a stride (column slices of wider buffers); the sums kernel writes
+    dweight, [dbias,] dweight1, [dbias1] from their partial rows (LayerNorm with bias and bias1,
+    RMSNorm with neither)."""
+    M, N = 7, 37
+    nan = lambda *shape: paddle.full(list(shape), float("nan"), dtype="float32")  # noqa: E731
+    x, dy = randn((M, N)), randn((M, N))
+    dy1 = randn((M, N + 5))[:, 2:N + 2]
+    w, w1 = randn((N,)), randn((N,))
+    b, b1 = (None, None) if is_rms_norm else (randn((N,)), randn((N,)))
+    y, y1_buffer, mean, rstd = nan(M, N), nan(M, N + 5), nan(M), nan(M)
+    y1 = y1_buffer[:, 3:N + 3]
+    triton_norm.norm_fwd(*triton_args(x, w, b, y, None if is_rms_norm else mean, rstd), **dict(zip(
+        ("weight1", "bias1", "y1"), triton_args(w1, b1, y1))), eps=1e-5, is_rms_norm=is_rms_norm, max_block=max_block)
+    dx, dw, dw1 = nan(M, N), nan(N), nan(N)
+    db, db1 = (None, None) if is_rms_norm else (nan(N), nan(N))
+    partials, rowstats = triton_norm.bwd_workspace_shapes(M, N, not is_rms_norm, max_block=max_block,
+                                                          has_weight1=True, has_bias1=not is_rms_norm)
+    assert partials[0] == (2 if is_rms_norm else 4) and (rowstats is None) == (max_block > N)
+    triton_norm.norm_bwd(*triton_args(x, w, None if is_rms_norm else mean, rstd, dy, dx, dw, nan(*partials)),
+                         **dict(zip(("dbias", "rowstats", "weight1", "dy1", "dweight1", "dbias1"), triton_args(
+                             db, None if rowstats is None else nan(*rowstats), w1, dy1, dw1, db1))),
+                         is_rms_norm=is_rms_norm, max_block=max_block)
+    want = _np_norm_weight1(to64(x), to64(w), None if b is None else to64(b), to64(w1), None if b1 is None else to64(b1),
+                            to64(dy), to64(dy1), 1e-5, is_rms_norm)
+    got = dict(y=y, y1=y1, dx=dx, dweight=dw, dbias=db, dweight1=dw1, dbias1=db1)
+    for name, t in got.items():
+        if t is not None:
+            assert_close(f"launcher {name}", to64(t), want[name], "float32")
+    assert np.isnan(y1_buffer.numpy()[:, :3]).all() and np.isnan(y1_buffer.numpy()[:, N + 3:]).all()
+
+
+def test_weight1_launcher_bad_input():
+    x, w = randn((3, 8)), randn((8,))
+    stats, y = paddle.zeros([3]), paddle.empty([3, 8])
+    fwd = triton_args(x, w, None, y, stats, stats)
+    for error, message, kwargs in [
+        (ValueError, "y1: given without weight1", dict(y1=y)),
+        (ValueError, "bias1: given without weight1", dict(bias1=w)),
+        (ValueError, "y1: needed with weight1", dict(weight1=w)),
+        (ValueError, r"bias1: expected shape \(8,\)", dict(weight1=w, y1=y, bias1=randn((4,)))),
+        (ValueError, "weight1: not supported together with z", dict(weight1=w, y1=y, z=x)),
+    ]:
+        with pytest.raises(error, match=message):
+            triton_norm.norm_fwd(*fwd, **dict(zip(kwargs, triton_args(*kwargs.values()))))
+    partials = paddle.zeros([1, 2, 8])
+    bwd = triton_args(x, w, stats, stats, x, paddle.empty([3, 8]), paddle.empty([8]), partials)
+    for error, message, kwargs in [
+        (ValueError, "dy1: needed with weight1", dict(weight1=w, dweight1=w)),
+        (ValueError, "dweight1: needed with weight1", dict(weight1=w, dy1=x)),
+        (ValueError, "dbias1: given without weight1", dict(dbias1=w)),
+        (ValueError, r"dweight1: expected shape \(8,\)", dict(weight1=w, dy1=x, dweight1=randn((3,)))),
+        (ValueError, r"partials: expected an fp32 workspace \[2, P >= 1, 8\]", dict(weight1=w, dy1=x, dweight1=w)),
+    ]:
+        with pytest.raises(error, match=message):
+            triton_norm.norm_bwd(*bwd, **dict(zip(kwargs, triton_args(*kwargs.values()))))
+
+
+def test_weight1_routing(monkeypatch):
+    """weight1 runs on Triton (explicit, or auto where the CUDA kernels come first: auto skips them,
+    saying why) and the reference; an explicit CUDA backend refuses it naming weight1."""
+    monkeypatch.setattr(runtime_backend, "_warned", set())
+    monkeypatch.setattr(runtime_backend, "backend_status", lambda name, device: runtime_backend.BackendStatus(True, ""))
+    x, w, w1 = randn((3, 8)), randn((8,)), randn((8,))
+    with pytest.raises(runtime_backend.BackendUnavailableError, match="weight1: not in the CUDA kernels"):
+        rms_norm_fn(x, w, None, weight1=w1, backend="cuda")
+    triton = rms_norm_fn(x, w, None, weight1=w1, backend="triton")
+    monkeypatch.setattr("paddlenlp_fused.ops.norm.device_of", lambda t: "gpu")  # auto's GPU order: CUDA first at N=8
+    with pytest.warns(RuntimeWarning, match=r"falling back to the triton backend \(cuda: weight1: not in the CUDA"):
+        auto = rms_norm_fn(x, w, None, weight1=w1, backend="auto")
+    np.testing.assert_array_equal(np.stack([t.numpy() for t in auto]), np.stack([t.numpy() for t in triton]))
+
+
+_BUFFER_CASES = {  # which preallocated outputs, with which options
+    "out,residual_out,residual,prenorm": dict(out=True, residual_out=True, residual=True, prenorm=True),
+    "residual_out without prenorm": dict(residual_out=True, residual=True),
+    "out,residual_out, h is x": dict(out=True, residual_out=True, prenorm=True),
+    "strided out,weight1,residual_out fp32": dict(out="strided", residual_out=True, residual=True, prenorm=True,
+                                                  residual_in_fp32=True, weight1=True),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(_BUFFER_CASES))
+def test_out_and_residual_out_written_in_place_and_returned(case, dtype, backend):
+    """flash-attn's ``out`` / ``residual_out`` (poisoned with NaN): written in place (a strided out
+    only where it views its buffer), returned as the very objects, equal to what the call returns
+    without them; residual_out holds h also without prenorm, and x itself where h is x. A loss on
+    the returned tensors gives every input its gradient (against float64)."""
+    opts = _BUFFER_CASES[case]
+    shape, N = (3, 4, 37), 37
+    h_dtype = "float32" if opts.get("residual_in_fp32") else dtype
+    inputs = dict(x=randn(shape, dtype, requires_grad=True), weight=randn((N,), "float32", requires_grad=True),
+                  bias=randn((N,), "float32", requires_grad=True),
+                  residual=randn(shape, dtype, requires_grad=True) if opts.get("residual") else None,
+                  weight1=randn((N,), "float32", requires_grad=True) if opts.get("weight1") else None)
+    kwargs = dict(prenorm=opts.get("prenorm", False), residual_in_fp32=opts.get("residual_in_fp32", False),
+                  backend=backend)
+
+    def call(**more):
+        return layer_norm_fn(inputs["x"], inputs["weight"], inputs["bias"], inputs["residual"],
+                             weight1=inputs["weight1"], **{**kwargs, **more})
+
+    plain = call()
+    plain = list(plain) if isinstance(plain, tuple) else [plain]
+    nan = lambda shape, dtype: paddle.full(list(shape), float("nan"), dtype=dtype)  # noqa: E731
+    out_buffer = nan((3, 4, N + 6), dtype) if opts.get("out") == "strided" else None
+    out = out_buffer[..., 2:N + 2] if out_buffer is not None else (nan(shape, dtype) if opts.get("out") else None)
+    residual_out = nan(shape, h_dtype) if opts.get("residual_out") else None
+    got = call(out=out, residual_out=residual_out)
+    got = list(got) if isinstance(got, tuple) else [got]
+    assert len(got) == len(plain)
+    if out is not None:
+        assert got[0] is out
+    if out_buffer is not None:
+        assert np.isnan(to64(out_buffer)[..., :2]).all() and np.isnan(to64(out_buffer)[..., N + 2:]).all()
+    h = call(prenorm=True)[-1]  # the stream, as returned with prenorm
+    if residual_out is not None:
+        assert got[-1] is residual_out if kwargs["prenorm"] else all(g is not residual_out for g in got)
+        np.testing.assert_array_equal(to64(residual_out), to64(h))
+    for i, (g, p) in enumerate(zip(got, plain)):
+        assert g.dtype == p.dtype
+        np.testing.assert_array_equal(to64(g), to64(p), err_msg=f"output {i}")
+
+    cots = [randn(shape, str(g.dtype).split(".")[-1]) for g in got]
+    names = [name for name, t in inputs.items() if t is not None]
+    grads = paddle.grad(got, [inputs[n] for n in names], cots)
+    leaves, ys64, h64 = _norm64(inputs, h, False)
+    refs = paddle.grad(ys64 + ([h64] if kwargs["prenorm"] else []), [leaves[n] for n in names],
+                       [paddle.to_tensor(to64(c)) for c in cots])
+    weights = [to64(inputs["weight"])] + ([] if inputs["weight1"] is None else [to64(inputs["weight1"])])
+    _check_grads64(f"buffers {case}", names, grads, refs, dtype, h64, [to64(c) for c in cots[:len(ys64)]], weights,
+                   False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_sets_y_dtype_as_in_flash_attn(backend):
+    """y is written in out's dtype (flash-attn's rule) unless out_dtype says otherwise, which out
+    must then match."""
+    x, w = randn((4, 24), "bfloat16"), randn((24,))
+    out = paddle.full([4, 24], float("nan"), dtype="float32")
+    y = rms_norm_fn(x, w, out=out, backend=backend)
+    assert y is out
+    np.testing.assert_array_equal(out.numpy(), rms_norm_fn(x, w, out_dtype="float32", backend=backend).numpy())
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["cuda"])
+def test_out_and_residual_out_bad_input(backend):
+    """Checked before any backend runs: the same errors, naming the argument, on every backend."""
+    x, w, res = randn((3, 8)), randn((8,)), randn((3, 8))
+    leaf = randn((3, 8), requires_grad=True)
+    cases = [
+        (TypeError, "out: expected a paddle.Tensor", dict(out=np.zeros((3, 8), np.float32))),
+        (TypeError, "out: expected dtype in", dict(out=paddle.zeros([3, 8], dtype="int32"))),
+        (ValueError, r"out: expected x's shape \[3, 8\], got \[3, 4\]", dict(out=randn((3, 4)))),
+        (TypeError, "out: expected out_dtype bfloat16, got float32", dict(out=randn((3, 8)), out_dtype="bfloat16")),
+        (ValueError, "out: a leaf that requires a gradient", dict(out=leaf)),
+        (ValueError, "out: shares memory with x", dict(out=x)),
+        (ValueError, "out: shares memory with residual", dict(out=res, residual=res)),
+        (ValueError, r"residual_out: expected x's shape \[3, 8\]", dict(residual_out=randn((8,)))),
+        (TypeError, "residual_out: expected the residual stream's dtype float32", dict(
+            residual_out=randn((3, 8), "bfloat16"), residual_in_fp32=True)),
+        (TypeError, "residual_out: expected the residual stream's dtype bfloat16", dict(
+            residual_out=randn((3, 8)), residual=randn((3, 8), "bfloat16"))),
+        (ValueError, "residual_out: shares memory with residual", dict(residual_out=res, residual=res)),
+        (ValueError, "residual_out: shares memory with out", dict(residual_out=res, out=res)),
+    ]
+    for error, message, kwargs in cases:
+        with pytest.raises(error, match=message):
+            layer_norm_fn(x, w, None, backend=backend, **kwargs)

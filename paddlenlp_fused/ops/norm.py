@@ -6,8 +6,8 @@ float32 with ``residual_in_fp32``, else the residual's) and normalise h; ``preno
 returns h, whose gradient flows back into x and residual. ``weight_offset`` scales by
 ``weight + weight_offset`` (Gemma's ``1 + w``). ``rmsnorm_gated_fn`` follows mamba_ssm's gated
 RMSNorm. Backends: ``cuda`` (csrc/norm.cu, not the gated norm), ``triton`` and ``reference``;
-flash-attn's ``weight1`` runs on the reference only, ``x1`` / ``rowscale`` / dropout / ``out_dtype``
-not on CUDA (``auto`` routes around).
+flash-attn's ``x1`` / ``weight1`` / ``rowscale`` / dropout / ``out_dtype`` not on CUDA (``auto``
+routes around). ``out`` / ``residual_out`` (preallocated outputs) on every backend.
 """
 
 from __future__ import annotations
@@ -40,13 +40,15 @@ def _launch(backend: str, name: str, tensors: dict, **options) -> None:
     getattr(_KERNELS[backend], name)(**tensors, **options)
 
 
-def _bwd_workspace(backend: str, M: int, N: int, dtype: str, has_bias: bool, group_size=None, place=None) -> dict:
+def _bwd_workspace(backend: str, M: int, N: int, dtype: str, has_bias: bool, group_size=None, place=None,
+                   has_weight1: bool = False, has_bias1: bool = False) -> dict:
     """The backward launcher's workspaces as keyword arguments: partial sums, row statistics
     (sliced rows) and, for Triton, the zeroed counters of the fused partial sums."""
     if backend == "cuda":
         partials, rowstats = cuda_norm.bwd_workspace_shapes(M, N, dtype, has_bias)
     else:
-        partials, rowstats = triton_norm.bwd_workspace_shapes(M, N, has_bias, group_size)
+        partials, rowstats = triton_norm.bwd_workspace_shapes(M, N, has_bias, group_size, has_weight1=has_weight1,
+                                                              has_bias1=has_bias1)
     workspace = dict(partials=paddle.empty(list(partials), dtype="float32", device=place),
                      rowstats=None if rowstats is None else paddle.empty(list(rowstats), dtype="float32", device=place))
     if backend == "triton":
@@ -61,28 +63,57 @@ class _Masks:
         self.p, self.seed, self.store, self.mask, self.mask1 = p, seed, store, None, None
 
 
+class _Buffers:
+    """The caller's preallocated ``out`` / ``residual_out`` (or None), checked by ``_check_buffers``;
+    passed to the PyLayer outside its tensor arguments, so that Paddle takes them as outputs."""
+
+    def __init__(self, out=None, residual_out=None):
+        self.out, self.residual_out = out, residual_out
+
+
+def _written_2d(buffer, M: int, N: int, dtype, place):
+    """The [M, N] tensor a kernel writes an output into: the caller's buffer itself where it is
+    contiguous (a view of it), else a new tensor (copied into the buffer after the launch)."""
+    if buffer is not None and buffer.is_contiguous():
+        return buffer.reshape([M, N])
+    return paddle.empty([M, N], dtype=dtype, device=place)
+
+
+def _returned(buffer, written, shape):
+    """What the PyLayer returns for one output: the caller's buffer (filled) or the new tensor."""
+    if buffer is None:
+        return written.reshape(shape)
+    if not buffer.is_contiguous():  # (else the kernel wrote it: ``_written_2d``)
+        paddle.assign(written.reshape(shape), output=buffer)
+    return buffer
+
+
 class NormFunction(PyLayer):
     """LayerNorm / RMSNorm over the last axis with optional residual add, on one GPU backend;
-    on Triton also flash-attn's x1, rowscale and dropout."""
+    on Triton also flash-attn's x1, rowscale, dropout and weight1. Writes y and the stream h into
+    the caller's ``buffers`` where given and returns those very tensors (with this node's graph)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, x1, rowscale, eps, is_rms_norm, prenorm, residual_dtype, weight_offset,
-                out_dtype, dropout, backend):
+    def forward(ctx, x, weight, bias, residual, x1, rowscale, weight1, bias1, eps, is_rms_norm, prenorm, residual_dtype,
+                weight_offset, out_dtype, dropout, buffers, backend):
         N = x.shape[-1]
         x2d = contiguous(x).reshape([-1, N])
-        weight, bias = contiguous(weight), contiguous(bias)
+        weight, bias, weight1, bias1 = (contiguous(t) for t in (weight, bias, weight1, bias1))
         M = x2d.shape[0]
         res2d = None if residual is None else contiguous(residual).reshape([M, N])
         x12d = None if x1 is None else contiguous(x1).reshape([M, N])
         rs1d = None if rowscale is None else contiguous(rowscale).reshape([M])
         extras = x1 is not None or rowscale is not None or dropout.p > 0
-        y = paddle.empty([M, N], dtype=out_dtype, device=x.place)
+        y = _written_2d(buffers.out, M, N, out_dtype, x.place)
+        y1 = None if weight1 is None else paddle.empty([M, N], dtype=out_dtype, device=x.place)
         res_out = None
-        if residual is not None or residual_dtype != x.dtype or extras:
-            res_out = paddle.empty([M, N], dtype=residual_dtype, device=x.place)
+        if residual is not None or residual_dtype != x.dtype or extras or buffers.residual_out is not None:
+            res_out = _written_2d(buffers.residual_out, M, N, residual_dtype, x.place)
         mean = None if is_rms_norm else paddle.empty([M], dtype="float32", device=x.place)
         rstd = paddle.empty([M], dtype="float32", device=x.place)
         tensors = dict(x=x2d, weight=weight, bias=bias, y=y, mean=mean, rstd=rstd, residual=res2d, residual_out=res_out)
+        if weight1 is not None:  # (only then: the CUDA launcher has no such arguments)
+            tensors.update(weight1=weight1, bias1=bias1, y1=y1)
         options = dict(eps=eps, is_rms_norm=is_rms_norm, weight_offset=weight_offset)
         ctx.extras = {}
         if extras:  # (only then: the CUDA launcher has no such arguments)
@@ -93,25 +124,31 @@ class NormFunction(PyLayer):
             ctx.extras = dict(dropout_p=dropout.p, seed=dropout.seed)
             options.update(ctx.extras)
         _launch(backend, "norm_fwd", tensors, **options)
-        needs = needs_grad(x, weight, bias, residual, x1, rowscale)
+        needs = needs_grad(x, weight, bias, residual, x1, rowscale, weight1, bias1)
         ctx.save_for_backward(x2d if res_out is None else res_out, weight, mean, rstd, rs1d,
-                              x2d if rowscale is not None and needs[-1] else None)
+                              x2d if rowscale is not None and not rowscale.stop_gradient else None, weight1)
         ctx.options = dict(is_rms_norm=is_rms_norm, weight_offset=weight_offset)
         ctx.backend, ctx.shape, ctx.has_bias, ctx.x_dtype = backend, x.shape, bias is not None, x.dtype
         ctx.returns_res_out = prenorm and res_out is not None
         ctx.residual_dtype = None if residual is None else residual.dtype
         ctx.x1_dtype = None if x1 is None else x1.dtype
         ctx.rowscale_dtype = None if rowscale is None else rowscale.dtype
+        ctx.has_bias1 = bias1 is not None
         ctx.needs_grad = needs
-        y = y.reshape(x.shape)
-        return (y, res_out.reshape(x.shape)) if ctx.returns_res_out else y
+        outs = [_returned(buffers.out, y, x.shape)] + ([] if y1 is None else [y1.reshape(x.shape)])
+        if res_out is not None:  # (written into the caller's residual_out also when not returned)
+            h = _returned(buffers.residual_out, res_out, x.shape)
+            if ctx.returns_res_out:
+                outs.append(h)
+        return tuple(outs) if len(outs) > 1 else outs[0]
 
     @staticmethod
-    def backward(ctx, dy, dres_out=None):
-        h, weight, mean, rstd, rowscale, x2d = ctx.saved_tensor()
+    def backward(ctx, dy, *rest):
+        h, weight, mean, rstd, rowscale, x2d, weight1 = ctx.saved_tensor()
         M, N = h.shape
         dy2d = contiguous(dy).reshape([M, N])
-        dres_out2d = contiguous(dres_out).reshape([M, N]) if ctx.returns_res_out else None
+        dy1 = None if weight1 is None else contiguous(rest[0]).reshape([M, N])
+        dres_out2d = contiguous(rest[-1]).reshape([M, N]) if ctx.returns_res_out else None
         dx = paddle.empty([M, N], dtype=ctx.x_dtype, device=dy.place)
         # the kernel writes the residual's gradient (dh, as dx) into its own tensor: Paddle adds the
         # gradients of an input's other consumers into the returned tensor in place, so x and the
@@ -122,9 +159,15 @@ class NormFunction(PyLayer):
             dres = paddle.empty([M, N], dtype=ctx.residual_dtype, device=dy.place)
         dweight = paddle.empty(weight.shape, dtype=weight.dtype, device=dy.place)
         dbias = paddle.empty(weight.shape, dtype=weight.dtype, device=dy.place) if ctx.has_bias else None
-        workspace = _bwd_workspace(ctx.backend, M, N, T.dtype_name(dx), ctx.has_bias, place=dy.place)
+        workspace = _bwd_workspace(ctx.backend, M, N, T.dtype_name(dx), ctx.has_bias, place=dy.place,
+                                   has_weight1=weight1 is not None, has_bias1=ctx.has_bias1)
         tensors = dict(h=h, weight=weight, mean=mean, rstd=rstd, dy=dy2d, dx=dx, dweight=dweight, dbias=dbias,
                        dresidual_out=dres_out2d, dresidual=dres, **workspace)
+        dweight1 = dbias1 = None
+        if weight1 is not None:
+            dweight1 = paddle.empty(weight1.shape, dtype=weight1.dtype, device=dy.place)
+            dbias1 = paddle.empty(weight1.shape, dtype=weight1.dtype, device=dy.place) if ctx.has_bias1 else None
+            tensors.update(weight1=weight1, dy1=dy1, dweight1=dweight1, dbias1=dbias1)
         dx1 = None if ctx.x1_dtype is None else paddle.empty([M, N], dtype=ctx.x1_dtype, device=dy.place)
         drs = None
         if x2d is not None:  # rowscale's gradient, per row and column slab
@@ -139,6 +182,7 @@ class NormFunction(PyLayer):
             grads.append(dx1.reshape(ctx.shape))
         if ctx.rowscale_dtype is not None:
             grads.append(None if drs is None else drs.sum(axis=-1).astype(ctx.rowscale_dtype).reshape(ctx.shape[:-1]))
+        grads += [g for g in (dweight1, dbias1) if g is not None]
         return grads_for(ctx, grads)
 
 
@@ -169,13 +213,38 @@ def _check_norm_args(x, weight, bias=None, residual=None) -> int:
     return N
 
 
-def _check_out_dtype(out_dtype, x) -> str:
+def _check_out_dtype(out_dtype, x, out) -> str:
+    """y's dtype: ``out_dtype``, else out's (flash-attn writes y in out's dtype), else x's."""
     if out_dtype is None:
-        return T.dtype_name(x)
+        return T.dtype_name(x if out is None else out)
     name = T.dtype_name(out_dtype) if not isinstance(out_dtype, str) else out_dtype
     if name not in _OUT_DTYPES:
         raise TypeError(f"out_dtype: expected None or one of {list(_OUT_DTYPES)}, got {out_dtype!r}")
+    if out is not None and T.dtype_name(out) != name:
+        raise TypeError(f"out: expected out_dtype {name}, got {T.dtype_name(out)}")
     return name
+
+
+def _check_buffers(x, out, residual_out, residual_dtype, inputs) -> None:
+    """flash-attn's preallocated outputs: float tensors of x's shape on x's place, residual_out in
+    the stream's dtype; written in place, so neither a leaf that requires a gradient nor the memory
+    of an input (``inputs``: (name, tensor) pairs; the chunked kernels re-read them after writing)."""
+    for name, t in (("out", out), ("residual_out", residual_out)):
+        if t is None:
+            continue
+        check_tensor(name, t)
+        if list(t.shape) != list(x.shape):
+            raise ValueError(f"{name}: expected x's shape {list(x.shape)}, got {list(t.shape)}")
+        if t.place != x.place:
+            raise ValueError(f"{name}: expected x's place {x.place}, got {t.place}")
+        if not t.stop_gradient and t.is_leaf:
+            raise ValueError(f"{name}: a leaf that requires a gradient cannot be written in place")
+        for other_name, other in inputs + (() if name == "out" else (("out", out),)):
+            if other is not None and other.size and other.data_ptr() == t.data_ptr():
+                raise ValueError(f"{name}: shares memory with {other_name}; pass a tensor of its own")
+    if residual_out is not None and residual_out.dtype != residual_dtype:
+        raise TypeError(f"residual_out: expected the residual stream's dtype {T.dtype_name(residual_dtype)} (float32 "
+                        f"with residual_in_fp32, else residual's, else x's), got {T.dtype_name(residual_out)}")
 
 
 def _weight_offset(weight_offset, zero_centered_weight) -> float:
@@ -232,7 +301,8 @@ def _dropout_masks(x, x1, dropout_p: float, seed):
 def layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps: float = 1e-5,
                   dropout_p: float = 0.0, rowscale=None, prenorm: bool = False, residual_in_fp32: bool = False,
                   zero_centered_weight: bool = False, is_rms_norm: bool = False, return_dropout_mask: bool = False,
-                  out_dtype=None, backend: str = "auto", weight_offset: float = 0.0, seed=None):
+                  out_dtype=None, out=None, residual_out=None, backend: str = "auto", weight_offset: float = 0.0,
+                  seed=None):
     """LayerNorm (or RMSNorm) over the last axis of x ``[..., N]`` with weight/bias ``[N]`` (any
     float dtype, bias in weight's; bias may be None), after adding ``residual`` (x's shape) when
     given; flash-attn's ``layer_norm_fn`` arguments in its order.
@@ -245,22 +315,31 @@ def layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=N
     ``zero_centered_weight=True`` is ``weight_offset=1.0``. Returns y; (y, y1) when ``weight1`` is
     given (y1 = norm(h) * (weight1 + weight_offset) + bias1); prenorm appends h (float32 with
     ``residual_in_fp32``, else the residual's dtype, else x's); ``return_dropout_mask`` appends the
-    bool keep-masks of x and x1 (None where there is no dropout or no x1)."""
+    bool keep-masks of x and x1 (None where there is no dropout or no x1).
+
+    ``out`` / ``residual_out`` (x's shape; as flash-attn's): y and h are written into them and they
+    are what is returned (y in out's dtype unless ``out_dtype`` says it, and then out must be in
+    it; residual_out in the stream's dtype, written also without prenorm, and also where h is x
+    itself). The returned tensors are these very objects and carry the autograd graph, as new
+    outputs would: a loss on them reaches every input. They must not be leaves that require a
+    gradient nor share memory with an input. The kernels' backward reads h from residual_out (as
+    flash-attn's does): it must not be overwritten before the backward."""
     N = _check_norm_args(x, weight, bias, residual)
     dropout_p = _check_extras(x, N, x1, weight, weight1, bias1, dropout_p, rowscale, seed)
     eps = check_eps("eps", eps)
-    out_dtype = _check_out_dtype(out_dtype, x)
-    weight_offset = _weight_offset(weight_offset, zero_centered_weight)
     residual_dtype = paddle.float32 if residual_in_fp32 else (residual.dtype if residual is not None else x.dtype)
+    _check_buffers(x, out, residual_out, residual_dtype, (("x", x), ("residual", residual), ("x1", x1)))
+    out_dtype = _check_out_dtype(out_dtype, x, out)
+    weight_offset = _weight_offset(weight_offset, zero_centered_weight)
     op = "rms_norm" if is_rms_norm else "layer_norm"
     extras = [name for name, given in (("x1", x1 is not None), ("weight1", weight1 is not None),
                                         ("rowscale", rowscale is not None), ("dropout_p", dropout_p > 0)) if given]
+    stream_is_x = residual is None and residual_dtype == x.dtype and residual_out is None and x1 is None and \
+        rowscale is None and dropout_p == 0  # (then the kernels store no h)
 
     def unsupported(name):
         if name == "reference":
             return None
-        if "weight1" in extras:
-            return "weight1: implemented on the reference backend only"
         if name == "cuda" and extras:
             return f"{', '.join(extras)}: not in the CUDA kernels"
         if name == "cuda" and out_dtype != T.dtype_name(x):
@@ -271,43 +350,51 @@ def layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=N
 
     chosen = resolve_backend(op, backend, device_of(x), implemented=("triton", "cuda", "reference"),
                              unsupported=unsupported, prefer=auto_order(N))
-    if chosen == "triton" and x.size:  # dropout's Philox keep-mask, written by the kernel when asked
-        if dropout_p > 0 and seed is None:
+    if chosen != "reference" and x.size:  # (empty tensors: nothing to launch, the reference's path)
+        if dropout_p > 0 and seed is None:  # Triton's Philox keep-mask, written by the kernel when asked
             seed = _draw_seed()
         dropout = _Masks(dropout_p, seed, return_dropout_mask and dropout_p > 0)
-        out = NormFunction.apply(x, weight, bias, residual, x1, rowscale, eps, is_rms_norm, prenorm, residual_dtype,
-                                 weight_offset, out_dtype, dropout, chosen)
+        result = NormFunction.apply(x, weight, bias, residual, x1, rowscale, weight1, bias1, eps, is_rms_norm, prenorm,
+                                    residual_dtype, weight_offset, out_dtype, dropout, _Buffers(out, residual_out),
+                                    chosen)
         masks = tuple(None if m is None else m.astype("bool").reshape(x.shape) for m in (dropout.mask, dropout.mask1))
-        if prenorm and residual is None and residual_dtype == x.dtype and not extras:
-            out = (out, x)  # h is x: its gradient reaches x through autograd
-        if return_dropout_mask:
-            out = (out if isinstance(out, tuple) else (out,)) + masks
-        return out
-    masks = _dropout_masks(x, x1, dropout_p, seed)
-    if chosen == "reference" or x.size == 0:  # (empty tensors: nothing to launch)
-        out = layer_norm_ref(x, weight, bias, residual, eps, prenorm, residual_dtype, is_rms_norm, weight_offset,
-                             x1=x1, weight1=weight1, bias1=bias1, rowscale=rowscale, dropout_p=dropout_p,
-                             dropout_mask=masks[0], dropout_mask1=masks[1], out_dtype=out_dtype)
+        if prenorm and stream_is_x:
+            result = (result if isinstance(result, tuple) else (result,)) + (x,)  # h is x: its gradient reaches x
     else:
-        out = NormFunction.apply(x, weight, bias, residual, None, None, eps, is_rms_norm, prenorm, residual_dtype,
-                                 weight_offset, out_dtype, _Masks(0.0, None, False), chosen)
-        if prenorm and residual is None and residual_dtype == x.dtype:
-            out = (out, x)  # h is x: its gradient reaches x through autograd
+        masks = _dropout_masks(x, x1, dropout_p, seed)
+        result = layer_norm_ref(x, weight, bias, residual, eps, prenorm or residual_out is not None, residual_dtype,
+                                is_rms_norm, weight_offset, x1=x1, weight1=weight1, bias1=bias1, rowscale=rowscale,
+                                dropout_p=dropout_p, dropout_mask=masks[0], dropout_mask1=masks[1], out_dtype=out_dtype)
+        result = _ref_into_buffers(result, out, residual_out, prenorm)
     if return_dropout_mask:
-        out = (out if isinstance(out, tuple) else (out,)) + masks
-    return out
+        result = (result if isinstance(result, tuple) else (result,)) + masks
+    return result
+
+
+def _ref_into_buffers(result, out, residual_out, prenorm: bool):
+    """The reference's (y[, y1][, h]) with y and h copied into the caller's out / residual_out
+    (``paddle.assign`` keeps the graph) and those returned; h dropped again without prenorm (the
+    reference was asked for it to fill residual_out)."""
+    outs = list(result) if isinstance(result, tuple) else [result]
+    if out is not None:
+        outs[0] = paddle.assign(outs[0], output=out)
+    if residual_out is not None:
+        h = paddle.assign(outs.pop(), output=residual_out)
+        if prenorm:
+            outs.append(h)
+    return tuple(outs) if len(outs) > 1 else outs[0]
 
 
 def rms_norm_fn(x, weight, bias=None, residual=None, x1=None, weight1=None, bias1=None, eps: float = 1e-6,
                 dropout_p: float = 0.0, rowscale=None, prenorm: bool = False, residual_in_fp32: bool = False,
-                zero_centered_weight: bool = False, return_dropout_mask: bool = False, out_dtype=None,
-                backend: str = "auto", weight_offset: float = 0.0, seed=None):
+                zero_centered_weight: bool = False, return_dropout_mask: bool = False, out_dtype=None, out=None,
+                residual_out=None, backend: str = "auto", weight_offset: float = 0.0, seed=None):
     """RMSNorm ``h / sqrt(mean(h^2) + eps) * (weight + weight_offset) (+ bias)`` over the last
     axis; flash-attn's ``rms_norm_fn`` (bias the third argument, as there); see ``layer_norm_fn``."""
     return layer_norm_fn(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, prenorm,
                          residual_in_fp32, zero_centered_weight, is_rms_norm=True,
-                         return_dropout_mask=return_dropout_mask, out_dtype=out_dtype, backend=backend,
-                         weight_offset=weight_offset, seed=seed)
+                         return_dropout_mask=return_dropout_mask, out_dtype=out_dtype, out=out,
+                         residual_out=residual_out, backend=backend, weight_offset=weight_offset, seed=seed)
 
 
 class GatedRMSNormFunction(PyLayer):

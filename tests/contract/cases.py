@@ -106,6 +106,19 @@ def _rms(h, weight, eps=1e-6):
     return h * paddle.rsqrt((h * h).mean(axis=-1, keepdim=True) + eps) * weight
 
 
+def _into_buffers(backend, x, weight, bias, residual, **options):
+    """layer_norm_fn writing y and h into preallocated tensors (flash-attn's out / residual_out),
+    which it must return."""
+    out = options.pop("out", None)
+    out = paddle.empty(x.shape, dtype=x.dtype) if out is None else out
+    residual_out = paddle.empty(x.shape, dtype=residual.dtype)
+    y, h = pf.layer_norm_fn(x, weight, bias, residual, prenorm=True, out=out, residual_out=residual_out,
+                            backend=backend, **options)
+    if y is not out or h is not residual_out:
+        raise AssertionError("layer_norm_fn: out / residual_out are not the tensors returned")
+    return y, h
+
+
 _NORM_BAD = (
     Bad("weight shape", lambda i: {**i, "weight": randn(7)}, ValueError, "weight"),
     Bad("residual shape", lambda i: {**i, "residual": randn(3, 8)}, ValueError, "residual"),
@@ -150,10 +163,16 @@ NORMS = [
           lambda x, x1, residual, weight, bias, weight1, bias1: (
               F.layer_norm(x + x1 + residual, 16, weight=weight, bias=bias, epsilon=1e-5),
               F.layer_norm(x + x1 + residual, 16, weight=weight1, bias=bias1, epsilon=1e-5), x + x1 + residual),
-          backends=("reference",),  # the kernels have no weight1: auto routes to the reference
           bad=(Bad("x1 shape", with_(x1=randn(2, 3, 8)), ValueError, "x1"),
                Bad("bias1 shape", with_(bias1=randn(8)), ValueError, "bias1")),
           low_precision=("x", "x1", "residual")),
+    Entry("layer_norm_fn(out, residual_out, residual, prenorm)",
+          lambda: dict(x=randn(2, 3, 16), weight=randn(16), bias=randn(16), residual=randn(2, 3, 16)),
+          _into_buffers,
+          _layer_norm_plain,
+          empty=lambda: dict(x=randn(0, 16), weight=randn(16), bias=randn(16), residual=randn(0, 16)),
+          bad=(Bad("out shape", with_(), ValueError, "out", dict(out=randn(2, 3, 8))),),
+          low_precision=("x", "residual")),
     Entry("rms_norm_fn(x1, residual, prenorm)",
           lambda: dict(x=randn(5, 16), x1=randn(5, 16), residual=randn(5, 16), weight=randn(16)),
           lambda backend, x, x1, residual, weight: pf.rms_norm_fn(x, weight, None, residual, x1, prenorm=True,
