@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import paddle
 import paddle.nn.functional as F
-from paddle.autograd import PyLayer
 
 from ..kernels.cuda import norm as cuda_norm
 from ..kernels.triton import norm as triton_norm
@@ -23,7 +22,7 @@ from ..runtime import tensor as T
 from ..runtime.backend import gpu_order, resolve_backend
 from ..runtime.triton_paddle import triton_args
 from ._checks import check_eps, check_tensor, contiguous, device_of
-from ._pylayer import grads_for, needs_grad
+from ._pylayer import TritonPyLayer, grads_for, needs_grad
 
 def auto_order(N: int) -> tuple:
     """GPU backends in the order ``auto`` tries them for rows of N elements (runtime.backend.AUTO_ORDER)."""
@@ -88,7 +87,7 @@ def _returned(buffer, written, shape):
     return buffer
 
 
-class NormFunction(PyLayer):
+class NormFunction(TritonPyLayer):
     """LayerNorm / RMSNorm over the last axis with optional residual add, on one GPU backend;
     on Triton also flash-attn's x1, rowscale, dropout and weight1. Writes y and the stream h into
     the caller's ``buffers`` where given and returns those very tensors (with this node's graph)."""
@@ -397,7 +396,7 @@ def rms_norm_fn(x, weight, bias=None, residual=None, x1=None, weight1=None, bias
                          residual_out=residual_out, backend=backend, weight_offset=weight_offset, seed=seed)
 
 
-class GatedRMSNormFunction(PyLayer):
+class GatedRMSNormFunction(TritonPyLayer):
     """Mamba-2's gated RMSNorm (or LayerNorm) on the Triton kernels."""
 
     @staticmethod
