@@ -32,6 +32,8 @@ import math
 import paddle
 import paddle.nn.functional as F
 
+from .mamba import permuted
+
 NO_DT_LIMIT = (0.0, math.inf)
 
 
@@ -108,10 +110,10 @@ def ssd_chunked_ref(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, in
         xp, dtp, Bp, Cp = xf, dtf, Bf, Cf
 
     # chunk-major, heads before tokens: [b, c, h, K, ...]
-    xk = xp.reshape([batch, nchunks, K, nheads, headdim]).transpose([0, 1, 3, 2, 4])
-    Bk = Bp.reshape([batch, nchunks, K, nheads, dstate]).transpose([0, 1, 3, 2, 4])
-    Ck = Cp.reshape([batch, nchunks, K, nheads, dstate]).transpose([0, 1, 3, 2, 4])
-    dtk = dtp.reshape([batch, nchunks, K, nheads]).transpose([0, 1, 3, 2])     # [b, c, h, K]
+    xk = permuted(xp.reshape([batch, nchunks, K, nheads, headdim]), [0, 1, 3, 2, 4])
+    Bk = permuted(Bp.reshape([batch, nchunks, K, nheads, dstate]), [0, 1, 3, 2, 4])
+    Ck = permuted(Cp.reshape([batch, nchunks, K, nheads, dstate]), [0, 1, 3, 2, 4])
+    dtk = permuted(dtp.reshape([batch, nchunks, K, nheads]), [0, 1, 3, 2])    # [b, c, h, K]
     cs = paddle.cumsum(dtk * A.astype(cdt)[:, None], axis=-1)                  # log decay from chunk start
     segk = None if seg is None else seg.reshape([batch, nchunks, K])
     # run of the token just before each chunk (run 0 before the first: the initial states)
@@ -140,13 +142,15 @@ def ssd_chunked_ref(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, in
         h = initial_states.astype(cdt)
     else:
         h = paddle.zeros([batch, nheads, headdim, dstate], dtype=cdt)
+    carries = paddle.exp(cs[..., -1])                                            # [b, c, h]
+    if segk is not None:  # a new run ends the chunk: nothing carries over
+        carries = carries * (segk[:, :, -1] == prev_seg).astype(cdt)[:, :, None]
+    # per-chunk views by unbind: slicing one chunk at a time costs a strided copy of the whole
+    # gradient per chunk in the backward
     starts = []
-    for c in range(nchunks):
+    for carry, chunk_state in zip(paddle.unbind(carries, axis=1), paddle.unbind(chunk_states, axis=1)):
         starts.append(h)
-        carry = paddle.exp(cs[:, c, :, -1])                                      # [b, h]
-        if segk is not None:  # a new run ends this chunk: nothing carries over
-            carry = carry * (segk[:, c, -1] == prev_seg[:, c]).astype(cdt)[:, None]
-        h = carry[:, :, None, None] * h + chunk_states[:, c]
+        h = carry[:, :, None, None] * h + chunk_state
     h_start = paddle.stack(starts, axis=1)                                       # [b, c, h, p, n]
 
     # inter-chunk: y_t += exp(cs_t) C_t h_start, for tokens still in the run that entered the chunk
@@ -155,7 +159,7 @@ def ssd_chunked_ref(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, in
         from_start = paddle.where((segk == prev_seg[:, :, None])[:, :, None], cs, neg_inf)
     y = y + paddle.matmul(Ck, h_start, transpose_y=True) * paddle.exp(from_start)[..., None]
 
-    y = y.transpose([0, 1, 3, 2, 4]).reshape([batch, nchunks * K, nheads, headdim])[:, :seqlen]
+    y = permuted(y, [0, 1, 3, 2, 4]).reshape([batch, nchunks * K, nheads, headdim])[:, :seqlen]
     y = _skip_and_gate(y, xf, D, z, cdt).astype(x.dtype)
     if states_at is None:
         return y, h
