@@ -97,7 +97,7 @@ _driver_config = _allocator_var = None
 _gpu_driver = None  # what triton_args activates for GPU tensors (made from PaddleDevice on first use)
 _open_scopes = 0  # scoped calls in progress (process-wide, as Triton's driver); nested op calls each count one
 _restore = None  # (driver, allocator) to make active again when the outermost scope ends
-_previous = None  # (driver, allocator) that restore_triton_driver() gives back
+_previous = None  # (driver, allocator) that the last switch outside a scope replaced
 
 
 def _triton_state():
@@ -129,7 +129,7 @@ def _activate(target, allocator=None) -> None:
     if _open_scopes:
         if _restore is None:
             _restore = (config._active, active_allocator)
-    elif _previous is None:
+    else:
         _previous = (config._active, active_allocator)
     config._active = target
     if allocator is not None:
@@ -190,7 +190,7 @@ def install_paddle_driver() -> None:
 
 
 def restore_triton_driver() -> None:
-    """Give Triton back the driver and allocator active before the first install outside a scope."""
+    """Give Triton back the driver and allocator that the last switch outside a scope replaced."""
     global _previous
     if _previous is None:
         return
