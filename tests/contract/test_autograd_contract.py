@@ -23,6 +23,9 @@ from paddlenlp_fused.testing.numerics import assert_close, assert_within, bound_
 FLOATS = (paddle.float16, paddle.bfloat16, paddle.float32, paddle.float64)
 SUM_FACTOR = 8  # sums over every token (weights' gradients): see _check_grad and test_amp_dtypes
 AMP_CAP = 0.5  # the largest relative error test_amp_dtypes accepts, whatever the baseline's
+# amp_factor entries' weight gradients (token sums that cancel) against amp_factor's limit: up to 0.99
+# of it seen (mamba_inner_fn's c_rms weight, O1, Triton, seed 456934019) in ~40 runs of the suite
+AMP_SUM_FACTOR = 2
 PRE, POST = 0.75, 0.25  # other consumers: PRE * sum(tanh(t)) before the op, POST * sum(t * t) after it
 
 
@@ -391,9 +394,10 @@ def test_amp_dtypes(entry, level, backend):
     bfloat16 between ops) stands for it. The weights' gradients are sums over every token, which
     DESIGN.md bounds against their terms' magnitudes (not at hand here): within SUM_FACTOR times
     bfloat16's bound. An entry whose op chains bfloat16 roundings that the reference does not make
-    gives ``amp_factor``: everything within that many times bfloat16's bound, or within twice the
-    reference backend's own error where a draw's conditioning (a tiny case: sums over ten tokens,
-    norms over eight channels) amplifies the roundings past it, capped at AMP_CAP (the ops' own
+    gives ``amp_factor``: everything within that many times bfloat16's bound (its weights' token
+    sums AMP_SUM_FACTOR times that), or within twice the reference backend's own error where a
+    draw's conditioning (a tiny case: sums over ten tokens, norms over eight channels) amplifies
+    the roundings past it, capped at AMP_CAP (the ops' own
     tests hold them to DESIGN.md's bounds; a wrong dtype or a lost term is off by O(1))."""
     def dtype_of(name, t):
         low = level == "O2" or (name != "param" and name in entry.low_precision)
@@ -412,7 +416,8 @@ def test_amp_dtypes(entry, level, backend):
     checks += [(f"{level} d{n}", g, base_grads[n], expected_grads[n], n in entry.low_precision) for n, g in grads.items()]
     for name, got, base, ref, per_token in checks:
         if entry.amp_factor:
-            limit = max(entry.amp_factor * bound_for("bfloat16"), 2.0 * rel_err(base, ref))
+            factor = entry.amp_factor * (1 if per_token else AMP_SUM_FACTOR)
+            limit = max(factor * bound_for("bfloat16"), 2.0 * rel_err(base, ref))
             assert_within(name, got, ref, min(limit, AMP_CAP))
         elif per_token:
             assert_close(name, got, ref, "bfloat16", baseline_err=rel_err(base, ref))
