@@ -386,6 +386,21 @@ def test_reference_group_equals_per_tensor(param_dtype, moment_dtype, master):
                 np.testing.assert_array_equal(to64(got[i]), to64(want[i]), err_msg=f"{kind}[{i}] step {t}")
 
 
+def test_reference_group_bad_input():
+    ones = lambda n, dtype="float32": [paddle.ones([n], dtype) for _ in range(2)]  # noqa: E731
+    hyper = np.repeat(hyper_rows(1e-3, 0.0, 0.9, 0.999, 1e-8, 0.9, 0.999), 2, axis=0)
+    with pytest.raises(ValueError, match="expected 2 tensors in every list"):
+        adamw_multi_tensor_ref(ones(3), ones(3)[:1], ones(3), ones(3), None, hyper)
+    with pytest.raises(ValueError, match=r"hyper: expected shape \[2, 8\]"):
+        adamw_multi_tensor_ref(ones(3), ones(3), ones(3), ones(3), None, hyper[:1])
+    with pytest.raises(ValueError, match="params must share one dtype"):
+        adamw_multi_tensor_ref([paddle.ones([3]), paddle.ones([3], "bfloat16")], ones(3), ones(3), ones(3), None, hyper)
+    with pytest.raises(ValueError, match="exp_avgs must have the params' numbers of elements"):
+        adamw_multi_tensor_ref(ones(3), ones(3), [paddle.ones([3]), paddle.ones([4])], ones(3), None, hyper)
+    with pytest.raises(ValueError, match="exp_avg_sqs must be contiguous"):
+        adamw_multi_tensor_ref(ones(4), ones(4), ones(4), [paddle.ones([2, 2]).t()] * 2, None, hyper)
+
+
 def _mixed_model():
     """fp32 Linear layers, a bf16 and an fp16 gain (two more dtype groups), a frozen parameter and
     one that gets no gradient, under fixed names."""

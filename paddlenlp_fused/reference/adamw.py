@@ -179,11 +179,11 @@ def _block_hyper(rows: np.ndarray, pieces) -> list:
 
 
 def _dtype_of(name: str, tensors: Sequence[paddle.Tensor]) -> str:
-    dtype = _dtype_name(tensors[0])
-    if any(_dtype_name(t) != dtype for t in tensors):
+    dtype = tensors[0].dtype  # compared as objects: naming each tensor's dtype costs more
+    if any(t.dtype != dtype for t in tensors):
         raise ValueError(f"adamw_multi_tensor_ref: {name} must share one dtype, got "
                          f"{sorted({_dtype_name(t) for t in tensors})}")
-    return dtype
+    return _dtype_name(tensors[0])
 
 
 @paddle.no_grad()
