@@ -24,3 +24,19 @@ def as_leaf64(t) -> paddle.Tensor:
     leaf = paddle.to_tensor(to64(t))
     leaf.stop_gradient = False
     return leaf
+
+
+# (deterministic argument, FLAGS_cudnn_deterministic environment value or None for unset): the
+# calls an op's deterministic option is tested with; the requested mode is True for the 2nd and 4th
+DETERMINISTIC_SETTINGS = ((None, None), (True, None), (False, "1"), (None, "1"))
+
+
+def deterministic_settings(monkeypatch, settings=DETERMINISTIC_SETTINGS):
+    """Each (deterministic, env) of ``settings`` with FLAGS_cudnn_deterministic set (or unset) to env:
+    the environment variable stands for the flag on Paddle's CPU builds (runtime/determinism.py)."""
+    for deterministic, env in settings:
+        if env is None:
+            monkeypatch.delenv("FLAGS_cudnn_deterministic", raising=False)
+        else:
+            monkeypatch.setenv("FLAGS_cudnn_deterministic", env)
+        yield deterministic, env

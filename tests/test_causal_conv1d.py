@@ -15,7 +15,7 @@ from paddlenlp_fused.runtime import tensor as T
 from paddlenlp_fused.runtime.backend import BackendUnavailableError
 from paddlenlp_fused.runtime.triton_paddle import triton_args
 from paddlenlp_fused.testing.numerics import assert_close
-from helpers import randn, to64
+from helpers import deterministic_settings, randn, to64
 
 
 def conv64(x, weight, bias=None, seq_idx=None, init=None, silu=True):
@@ -254,11 +254,7 @@ def test_deterministic_option_and_flag(monkeypatch):
                         lambda *a, **k: (seen.append(k.get("workspace") is not None), real(*a, **k))[1])
     x, w = randn((2, 4, 9), requires_grad=True), randn((4, 3), requires_grad=True)
     grads = {}
-    for deterministic, env in ((None, None), (True, None), (False, "1"), (None, "1")):
-        if env is None:
-            monkeypatch.delenv("FLAGS_cudnn_deterministic", raising=False)
-        else:
-            monkeypatch.setenv("FLAGS_cudnn_deterministic", env)
+    for deterministic, env in deterministic_settings(monkeypatch):
         out = causal_conv1d_fn(x, w, activation="silu", backend="triton", deterministic=deterministic)
         grads[(deterministic, env)] = paddle.grad(out, [x, w])[1].numpy()
     assert seen == [False, True, False, True]

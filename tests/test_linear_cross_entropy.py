@@ -19,6 +19,7 @@ from paddlenlp_fused.reference import linear_cross_entropy as ref
 from paddlenlp_fused.runtime.triton_paddle import triton_args
 from paddlenlp_fused.testing.distributed import init_fleet, run_distributed
 from paddlenlp_fused.testing.numerics import assert_close, rel_err
+from helpers import deterministic_settings
 
 BACKENDS = ("triton", "reference")
 
@@ -405,11 +406,7 @@ def test_deterministic_bias_gradient(backend, monkeypatch):
     leaves = [_leaf(t) for t in (hidden, weight, bias)]
     grads64 = paddle.grad(_plain(leaves[0], leaves[1], labels, leaves[2], transpose_y=True, label_smoothing=0.1,
                                  softcap=4.0)[0], leaves)
-    for deterministic, env in ((True, None), (None, "1"), (False, "1"), (None, None)):
-        if env is None:
-            monkeypatch.delenv("FLAGS_cudnn_deterministic", raising=False)
-        else:
-            monkeypatch.setenv("FLAGS_cudnn_deterministic", env)
+    for deterministic, env in deterministic_settings(monkeypatch, ((True, None), (None, "1"), (False, "1"), (None, None))):
         loss = linear_cross_entropy(hidden, weight, labels, bias, deterministic=deterministic, **opts)
         grads = paddle.grad(loss, [hidden, weight, bias])
         if deterministic:

@@ -24,7 +24,7 @@ from paddlenlp_fused.runtime.backend import BackendUnavailableError
 from paddlenlp_fused.runtime.triton_paddle import triton_args
 from paddlenlp_fused.testing.numerics import as_pairs, assert_close, assert_sum_close
 from paddlenlp_fused.testing.scan_reference import selective_scan_reference
-from helpers import as_leaf64, randn, to64
+from helpers import as_leaf64, deterministic_settings, randn, to64
 
 BACKENDS = ("triton", "reference")
 
@@ -442,11 +442,7 @@ def test_scan_deterministic_option_flag_and_routing(monkeypatch):
                         lambda *a, **k: (seen.append(("conv", k.get("workspace") is not None)), real_conv(*a, **k))[1])
     ins = _scan_inputs(SCAN_CASES["variable"], seqlen=9)
     grads = {}
-    for deterministic, env in ((None, None), (True, None), (False, "1"), (None, "1")):
-        if env is None:
-            monkeypatch.delenv("FLAGS_cudnn_deterministic", raising=False)
-        else:
-            monkeypatch.setenv("FLAGS_cudnn_deterministic", env)
+    for deterministic, env in deterministic_settings(monkeypatch):
         out = selective_scan_fn(*ins, delta_softplus=True, backend="triton", deterministic=deterministic)
         dout = randn(out.shape)
         grads[(deterministic, env)] = (dout, _grads(out, ins, dout))

@@ -17,7 +17,7 @@ from paddlenlp_fused.kernels.triton.ssd_backward import ssd_chunked_bwd, workspa
 from paddlenlp_fused.reference.ssd import segment_ids, ssd_chunked_ref
 from paddlenlp_fused.runtime.triton_paddle import triton_args
 from paddlenlp_fused.testing.numerics import assert_close, assert_close_to_terms, rel_err, silu
-from helpers import to64
+from helpers import deterministic_settings, to64
 
 
 def _process_dt64(dt, dt_bias, softplus, limit):
@@ -265,11 +265,7 @@ def test_deterministic_routes_to_the_reference(monkeypatch):
     monkeypatch.setattr(ssd_ops, "choose_backend", lambda *a, **k: (chosen.append(real(*a, **k)), chosen[-1])[1])
     a = _op_inputs()
     want = ssd_chunked_ref(a["x"], a["dt"], a["A"], a["B"], a["C"], 16, D=a["D"], dt_softplus=True)[0]
-    for deterministic, env in ((True, None), (None, "1"), (False, "1"), (None, None)):
-        if env is None:
-            monkeypatch.delenv("FLAGS_cudnn_deterministic", raising=False)
-        else:
-            monkeypatch.setenv("FLAGS_cudnn_deterministic", env)
+    for deterministic, env in deterministic_settings(monkeypatch, ((True, None), (None, "1"), (False, "1"), (None, None))):
         y = ssd_ops.mamba_chunk_scan_combined(**a, deterministic=deterministic)
         if chosen[-1] == "reference":
             np.testing.assert_array_equal(y.numpy(), want.numpy())
