@@ -67,9 +67,13 @@ def host_gemm(a, b, d, *, m, n, k, trans_a=False, trans_b=False, alpha=1.0, beta
     _store(dv, out, ddt)
 
 
-def _cuda_stand_in(monkeypatch, backend):
-    """('cuda-lean' / 'cuda-bounded') -> the op's cuda paths with host_gemm in place of cuBLASLt; the
-    other backends unchanged. Returns (backend argument, extra keywords)."""
+def _path_stand_in(monkeypatch, backend):
+    """('cuda-lean' / 'cuda-bounded') -> the op's cuda paths with host_gemm in place of cuBLASLt;
+    'reference-blockwise' -> the reference's recomputing blocks of tokens (blocks too small for the
+    test's logits); the other backends unchanged. Returns (backend argument, extra keywords)."""
+    if backend == "reference-blockwise":
+        monkeypatch.setattr(ref, "DEFAULT_BLOCK_ELEMENTS", 1000)
+        return "reference", {}
     if not backend.startswith("cuda"):
         return backend, {}
     monkeypatch.setattr(lce_ops, "_choose_backend", lambda *args: "cuda")
@@ -150,7 +154,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS + ("cuda-lean", "cuda-bounded"))
+@pytest.mark.parametrize("backend", BACKENDS + ("reference-blockwise", "cuda-lean", "cuda-bounded"))
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_plain_composition(case, backend, monkeypatch):
     """Every path; the cuda paths' Python orchestration with a host GEMM (the GPU suite runs cuBLASLt).
@@ -158,7 +162,7 @@ def test_matches_plain_composition(case, backend, monkeypatch):
     c = CASES[case]
     dtype, opts = c["dtype"], dict(c.get("opts", {}))
     bounded = backend == "cuda-bounded" and opts.get("reduction") != "none" and not opts.get("return_lse")
-    backend, extra = _cuda_stand_in(monkeypatch, backend)
+    backend, extra = _path_stand_in(monkeypatch, backend)
     hidden, weight, bias, labels = _inputs(dtype, c["shape"], c["D"], c["V"], c["transpose_y"], c.get("bias", False),
                                            c.get("ignore_index", -100))
     out = linear_cross_entropy(hidden, weight, labels, bias, transpose_y=c["transpose_y"], backend=backend,
@@ -199,8 +203,9 @@ def test_matches_plain_composition(case, backend, monkeypatch):
         assert_close(name, g.astype("float32").numpy(), g64.numpy(), dtype, baseline_err=base)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_all_ignored_batch_gives_zero_loss_and_gradients(backend):
+@pytest.mark.parametrize("backend", BACKENDS + ("reference-blockwise",))
+def test_all_ignored_batch_gives_zero_loss_and_gradients(backend, monkeypatch):
+    backend, _ = _path_stand_in(monkeypatch, backend)
     hidden, weight, bias, labels = _inputs("bfloat16", (2, 9), 32, 70, True, bias=True, ignore_frac=1.0)
     for reduction in ("mean", "sum"):
         loss = linear_cross_entropy(hidden, weight, labels, bias, reduction=reduction, z_loss=1e-3, backend=backend)
@@ -214,7 +219,7 @@ def test_all_ignored_batch_gives_zero_loss_and_gradients(backend):
 @pytest.mark.parametrize("backend", BACKENDS + ("cuda-lean", "cuda-bounded"))
 def test_labels_out_of_range(backend, monkeypatch):
     """The same ValueError on every backend (the kernels' flag, read once per call)."""
-    backend, extra = _cuda_stand_in(monkeypatch, backend)
+    backend, extra = _path_stand_in(monkeypatch, backend)
     hidden, weight, _, labels = _inputs("float32", (6,), 16, 40, True, ignore_frac=0.0)
     bad = labels.clone()
     for value in (40, -3):
@@ -267,7 +272,7 @@ def test_cuda_paths_accumulate_fresh_gradients(backend, monkeypatch):
     """Two backward passes into the same leaves (and a tied use of the weight): each gradient is a fresh
     tensor, never one the op keeps, so Paddle's in-place accumulation doubles it; dW accumulated in fp32
     (accum_c_fp32) gives the same gradient."""
-    backend, extra = _cuda_stand_in(monkeypatch, backend)
+    backend, extra = _path_stand_in(monkeypatch, backend)
     hidden, weight, bias, labels = _inputs("bfloat16", (37,), 40, 130, True, bias=True)
     grads = []
     for accum in (False, True):
@@ -400,7 +405,7 @@ def test_deterministic_bias_gradient(backend, monkeypatch):
     seen = []
     real = getattr(K, launcher)
     monkeypatch.setattr(K, launcher, lambda *a, **k: (seen.append(k.get("dbias_parts") is not None), real(*a, **k))[1])
-    backend, extra = _cuda_stand_in(monkeypatch, backend)
+    backend, extra = _path_stand_in(monkeypatch, backend)
     hidden, weight, bias, labels = _inputs("float32", (45,), 24, 150, True, bias=True)
     opts = dict(transpose_y=True, label_smoothing=0.1, softcap=4.0, backend=backend, **extra)
     leaves = [_leaf(t) for t in (hidden, weight, bias)]
@@ -544,7 +549,7 @@ def _vocab_parallel_body():
         for t in (w_shard, b_shard, h):
             t.stop_gradient = False
         with _StandIn() as patch:  # this subprocess's own module: patched for the cuda paths only
-            arg, extra = _cuda_stand_in(patch, backend)
+            arg, extra = _path_stand_in(patch, backend)
             loss = linear_cross_entropy(h, w_shard, labels, b_shard, tp_group="fleet", backend=arg,
                                         **{**opts, **extra})
             g_h, g_w, g_b = paddle.grad(loss, [h, w_shard, b_shard])

@@ -18,7 +18,9 @@ Backends and paths:
 - ``triton``: every GEMM in Triton (forward 1 GEMM, backward 3), the fallback where the CUDA library
   is absent, and the only path with the (approximate, opt-in) gradient filter ``filter_eps``: a call
   with a filter on the ``cuda`` backend runs here.
-- ``reference``: pure Paddle, float32, blockwise over tokens (CPU fallback).
+- ``reference``: pure Paddle, float32 (CPU fallback): where the ``[tokens, V]`` logits fit one block,
+  Paddle's autograd over the logits and its fused cross-entropy kernel (3 GEMMs); else blockwise over
+  tokens, the logits recomputed in the backward.
 
 ``deterministic`` (None follows ``FLAGS_cudnn_deterministic``, see ``runtime/determinism.py``): the
 bias gradient, the one gradient the kernels add with fp32 atomics, is summed in a fixed order instead
@@ -499,7 +501,12 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
             return BoundedLinearCrossEntropyFunction.apply(hidden2d, weight, bias, labels1d, opts, reduction)
         _warn_once("paddlenlp_fused.linear_cross_entropy: max_workspace_gib is ignored (lean path) for "
                    "reduction='none', return_lse=True or a call without gradients")
-    loss_tok, lse = LinearCrossEntropyFunction.apply(hidden2d, weight, bias, labels1d, opts)
+    if chosen == "reference" and pg is None and hidden2d.shape[0] and ref.fits_one_block(hidden2d.shape[0], V):
+        loss_tok, lse = ref.loss_and_lse_ref(hidden2d, weight, labels1d, bias, transpose_y=transpose_y,
+                                             ignore_index=opts.ignore_index, label_smoothing=opts.label_smoothing,
+                                             z_loss=opts.z_loss, softcap=opts.softcap, need_lse=return_lse)
+    else:
+        loss_tok, lse = LinearCrossEntropyFunction.apply(hidden2d, weight, bias, labels1d, opts)
     if reduction == "mean":
         n_valid = (labels1d != ignore_index).astype("float32").sum()
         loss = loss_tok.sum() / paddle.clip(n_valid, min=1.0)
