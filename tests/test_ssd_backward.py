@@ -252,7 +252,7 @@ def _op_inputs(batch=1, seqlen=16, nheads=2, headdim=4, ngroups=1, dstate=4):
                 chunk_size=16, D=leaf((nheads,)), dt_softplus=True)
 
 
-def test_deterministic_routes_to_the_reference(monkeypatch):
+def test_deterministic_routes_from_triton_to_the_reference(monkeypatch):
     """deterministic=True, and None under FLAGS_cudnn_deterministic, take the reference when a gradient
     can follow (False, the unset flag and a call under no_grad keep Triton); backend='triton' with it
     raises; auto on the GPU warns once, naming the cost; anything but None or a bool is a TypeError."""
