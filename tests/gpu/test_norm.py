@@ -357,6 +357,28 @@ def test_direct_launches_pick_the_kernel_triton_picks(provider, monkeypatch):
             assert recorder.launcher.compiled[key] is recorder.launcher.warmup(args, constexprs, options), name
 
 
+def _gated_norm64(x64, z64, w64, dy64, b64, G, norm_before_gate, is_rms_norm):
+    """Float64 mamba_ssm gated norm over groups of G columns, y = norm(x) * w (+ b), gated by silu(z)
+    before or after the norm: (y, dx, dz as the launcher writes it, the gradient g at the affine
+    output, xhat)."""
+    M, N = x64.shape
+    sig = 1 / (1 + np.exp(-z64))
+    silu, dsilu = z64 * sig, sig * (1 + z64 * (1 - sig))
+    h = (x64 if norm_before_gate else x64 * silu).reshape(M, N // G, G)
+    centred = h if is_rms_norm else h - h.mean(-1, keepdims=True)
+    rs = 1 / np.sqrt((centred * centred).mean(-1, keepdims=True) + 1e-6)
+    xhat_g = centred * rs
+    xhat = xhat_g.reshape(M, N)
+    g = dy64 * silu if norm_before_gate else dy64
+    wdy = (g * w64).reshape(M, N // G, G)
+    dh_g = wdy - xhat_g * (xhat_g * wdy).mean(-1, keepdims=True)
+    dh = ((dh_g if is_rms_norm else dh_g - wdy.mean(-1, keepdims=True)) * rs).reshape(M, N)
+    y = (xhat * w64 + (0.0 if b64 is None else b64)) * (silu if norm_before_gate else 1.0)
+    dx = dh if norm_before_gate else dh * silu
+    dz = dy64 * xhat * w64 * dsilu if norm_before_gate else dh * x64 * dsilu
+    return y, dx, dz, g, xhat
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N,group_size,norm_before_gate", [(4096, 1024, True), (4096, None, False),
                                                            (24, 8, False), (40000, 20000, True)])
@@ -376,19 +398,8 @@ def test_gated_rms_norm_matches_float64(provider, N, group_size, norm_before_gat
     provider.synchronize()
     assert not provider.to_numpy(counters).any()
 
-    x64, z64, w64, dy64 = (provider.to_numpy(t) for t in (x, z, w, dy))
-    sig = 1 / (1 + np.exp(-z64))
-    silu, dsilu = z64 * sig, sig * (1 + z64 * (1 - sig))
-    h = x64 if norm_before_gate else x64 * silu
-    hg = h.reshape(M, N // G, G)
-    rs = 1 / np.sqrt((hg * hg).mean(-1, keepdims=True) + 1e-6)
-    xhat = (hg * rs).reshape(M, N)
-    g = dy64 * silu if norm_before_gate else dy64  # gradient at xhat * w
-    wdy = (g * w64).reshape(M, N // G, G)
-    dh = ((wdy - (hg * rs) * ((hg * rs) * wdy).mean(-1, keepdims=True)) * rs).reshape(M, N)
-    ref_y = xhat * w64 * (silu if norm_before_gate else 1.0)
-    ref_dx = dh if norm_before_gate else dh * silu
-    ref_dz = dy64 * xhat * w64 * dsilu if norm_before_gate else dh * x64 * dsilu
+    ref_y, ref_dx, ref_dz, g, xhat = _gated_norm64(*(provider.to_numpy(t) for t in (x, z, w, dy)), None, G,
+                                                    norm_before_gate, is_rms_norm=True)
     assert_close("gated y", provider.to_numpy(y), ref_y, dtype)
     assert_close("gated dx", provider.to_numpy(dx), ref_dx, dtype)
     assert_close("gated dz", provider.to_numpy(dz), ref_dz, dtype)
@@ -421,20 +432,7 @@ def test_gated_layer_norm_with_bias_matches_float64(provider, N, group_size, nor
     assert not provider.to_numpy(counters).any()
 
     x64, z64, w64, b64, dy64 = (provider.to_numpy(t) for t in (x, z, w, b, dy))
-    sig = 1 / (1 + np.exp(-z64))
-    silu, dsilu = z64 * sig, sig * (1 + z64 * (1 - sig))
-    h = x64 if norm_before_gate else x64 * silu
-    hg = h.reshape(M, N // G, G)
-    centred = hg - hg.mean(-1, keepdims=True)
-    rs = 1 / np.sqrt((centred * centred).mean(-1, keepdims=True) + 1e-6)
-    xhat_g = centred * rs
-    xhat = xhat_g.reshape(M, N)
-    g = dy64 * silu if norm_before_gate else dy64  # gradient at xhat * w + b
-    wdy = (g * w64).reshape(M, N // G, G)
-    dh = ((wdy - xhat_g * (xhat_g * wdy).mean(-1, keepdims=True) - wdy.mean(-1, keepdims=True)) * rs).reshape(M, N)
-    ref_y = (xhat * w64 + b64) * (silu if norm_before_gate else 1.0)
-    ref_dx = dh if norm_before_gate else dh * silu
-    ref_dz = dy64 * xhat * w64 * dsilu if norm_before_gate else dh * x64 * dsilu
+    ref_y, ref_dx, ref_dz, g, xhat = _gated_norm64(x64, z64, w64, dy64, b64, G, norm_before_gate, is_rms_norm=False)
     assert_close("gated layer norm y", provider.to_numpy(y), ref_y, dtype)
     assert_close("gated layer norm dx", provider.to_numpy(dx), ref_dx, dtype)
     assert_close("gated layer norm dz", provider.to_numpy(dz), ref_dz, dtype)
