@@ -77,6 +77,11 @@ def _empty(shape, dtype, like):
     return paddle.empty(list(shape), dtype=dtype, device=like.place)
 
 
+def _parts_buffer(shape, like):
+    """The deterministic bias gradient's float32 partials workspace, as the launchers take it."""
+    return triton_args(_empty(shape, "float32", like))[0]
+
+
 def _gemm_for(like, nbytes=None):
     """cuBLASLt GEMM with a fresh workspace (``nbytes``, default the device's full one) from Paddle's
     caching allocator, so nothing stays allocated between calls."""
@@ -150,7 +155,7 @@ def _triton_grads(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, o: _
     lo = _empty(ws.lo, hidden.dtype, hidden) if ws.lo else None
     flags = _empty(ws.flags, "int8", hidden)
     dbias_acc = paddle.zeros(list(ws.dbias), dtype="float32", device=hidden.place) if bias is not None else None
-    dbias_parts = _empty(ws.dbias_parts, "float32", hidden) if bias is not None and o.deterministic else None
+    dbias_parts = _parts_buffer(ws.dbias_parts, hidden) if bias is not None and o.deterministic else None
     dh = _empty([n_tok, D], hidden.dtype, hidden)
     dw = _empty(weight.shape, weight.dtype, weight)
     db = _empty(bias.shape, bias.dtype, bias) if bias is not None else None
@@ -159,7 +164,7 @@ def _triton_grads(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, o: _
                          transpose_y=o.transpose_y, vocab_start=o.shard.start, vocab_total=o.shard.total,
                          softcap=o.softcap, label_smoothing=o.label_smoothing, filter_eps=o.filter_eps,
                          filter_dh=o.filter_dh, filter_dw=o.filter_dw,
-                         dbias_parts=None if dbias_parts is None else triton_args(dbias_parts)[0])
+                         dbias_parts=dbias_parts)
     return dh, dw, db
 
 
@@ -177,13 +182,12 @@ def _cuda_grads(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, o: _Op
     need_db = bias is not None and need[2]
     db = _empty(bias.shape, bias.dtype, bias) if need_db else None
     dbias_acc = paddle.zeros([bias.shape[0]], dtype="float32", device=bias.place) if need_db else None
-    dbias_parts = _empty(kernels.chunk_dbias_parts_shape(plan), "float32", hidden) if need_db and o.deterministic \
-        else None
+    dbias_parts = _parts_buffer(kernels.chunk_dbias_parts_shape(plan), hidden) if need_db and o.deterministic else None
     kernels.lean_backward(gemm, *triton_args(hidden, weight, labels, bias, lse, coef_p, coef_y), float(scale),
                           *triton_args(dh, dw, db, logits, g, dh_acc, dbias_acc), plan=plan,
                           transpose_y=o.transpose_y, vocab_start=o.shard.start, vocab_total=o.shard.total,
                           softcap=o.softcap, label_smoothing=o.label_smoothing,
-                          dbias_parts=None if dbias_parts is None else triton_args(dbias_parts)[0])
+                          dbias_parts=dbias_parts)
     if dw is not None and dw.dtype != weight.dtype:
         dw = dw.astype(weight.dtype)
     return dh, dw, db
@@ -286,7 +290,7 @@ class BoundedLinearCrossEntropyFunction(TritonPyLayer):
         dh = _empty([n_tok, D], hidden.dtype, hidden) if need[0] else None
         dw = _dw_buffer(weight, o, need[1])
         dbias_acc = paddle.zeros([V], dtype="float32", device=hidden.place) if bias is not None else None
-        dbias_parts = _empty(kernels.chunk_dbias_parts_shape(plan), "float32", hidden) \
+        dbias_parts = _parts_buffer(kernels.chunk_dbias_parts_shape(plan), hidden) \
             if bias is not None and o.deterministic else None
         combine = None
         if o.pg is not None:
@@ -296,7 +300,7 @@ class BoundedLinearCrossEntropyFunction(TritonPyLayer):
                                 plan=plan, alpha=alpha, combine=combine, transpose_y=o.transpose_y,
                                 vocab_start=o.shard.start, vocab_total=o.shard.total, ignore_index=o.ignore_index,
                                 softcap=o.softcap, label_smoothing=o.label_smoothing, z_loss=o.z_loss,
-                                dbias_parts=None if dbias_parts is None else triton_args(dbias_parts)[0])
+                                dbias_parts=dbias_parts)
         _raise_bad_label(flag, o)
         del logits
         if dw is not None and dw.dtype != weight.dtype:
