@@ -489,6 +489,7 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
     D = hidden.shape[-1]
     labels_eff = _shifted(labels, steps, ignore_index)
     hidden2d = contiguous(hidden).reshape([-1, D])
+    bias = contiguous(bias)  # the kernels read it at unit stride (a strided view's copy passes its gradient back)
     labels1d = labels_eff.reshape([-1])
     hidden2d, labels1d = vocab_parallel.gather_inputs(hidden2d, labels1d, pg, sequence_parallel)
     shard = vocab_parallel.shard(pg, V)

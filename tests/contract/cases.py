@@ -288,8 +288,10 @@ DENSE = [
 
 # ---- losses ------------------------------------------------------------------------------------
 
-def _plain_lce(hidden, weight, labels):
+def _plain_lce(hidden, weight, labels, bias=None):
     logits = paddle.matmul(hidden, weight, transpose_y=True)
+    if bias is not None:
+        logits = logits + bias
     return F.cross_entropy(logits.reshape([-1, logits.shape[-1]]), labels.reshape([-1]))
 
 
@@ -312,6 +314,10 @@ LOSSES = [
                Bad("labels shape", with_(labels=labels(11, 5)), ValueError, "labels"),
                Bad("float labels", with_(labels=randn(2, 3)), TypeError, "labels")),
           low_precision=("hidden",), o1=False),
+    Entry("linear_cross_entropy(bias, deterministic)",
+          lambda: dict(hidden=randn(2, 3, 8), weight=randn(11, 8), labels=labels(11, 2, 3), bias=randn(11)),
+          lambda backend, **t: pf.linear_cross_entropy(**t, backend=backend, deterministic=True),
+          _plain_lce),
     Entry("LinearCrossEntropy",
           lambda: dict(hidden=randn(5, 8), labels=labels(11, 5)),
           lambda layer, hidden, labels: layer(hidden, labels),
@@ -377,6 +383,10 @@ MAMBA = [
           bad=(Bad("delta shape", lambda i: {**i, "delta": randn(2, 4, 3)}, ValueError, "delta"),
                Bad("A rows", lambda i: {**i, "A": randn(3, 3)}, ValueError, "A")),
           low_precision=("u", "delta", "z"), amp_factor=MAMBA_AMP_FACTOR),
+    Entry("selective_scan_fn(deterministic)",
+          _scan_inputs,
+          lambda backend, **t: pf.selective_scan_fn(**t, delta_softplus=True, backend=backend, deterministic=True),
+          lambda **t: mamba_ref.selective_scan_ref(**t, delta_softplus=True)),
     Entry("causal_conv1d_fn",
           lambda: dict(x=randn(2, 5, 9), weight=randn(5, 4), bias=randn(5)),
           lambda backend, x, weight, bias: pf.causal_conv1d_fn(x, weight, bias, activation="silu", backend=backend),
