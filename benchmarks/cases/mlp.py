@@ -37,6 +37,7 @@ from paddlenlp_fused.kernels.triton.gated_activation import gated_activation_bwd
 
 INDICES = range(8)  # the cuBLASLt heuristic indices swept per GEMM
 ROUNDS = 3  # fwd+bwd timings per row, round-robin
+PLAN_TIE = 0.01  # level-0 times this close count as equal when choosing the plan to commit
 GRAD_NAMES = ("dx", "dweight1", "dbias1", "dweight2", "dbias2")
 
 
@@ -260,6 +261,16 @@ def _saved_GiB(provider, forward, output_bytes):
     return max(0.0, (after - before - output_bytes) / GiB), max(0.0, (peak - before) / GiB)
 
 
+def _pick_plan(plans, tie=PLAN_TIE):
+    """The plan (fwd_gelu, bgrad, {level: row}) to commit: among the correct plans whose level-0 fwd+bwd
+    is within ``tie`` of the fastest (run-to-run noise), the one with the fastest level 1 (a GELU
+    epilogue makes level 1 recompute GEMM1)."""
+    correct = [t for t in plans if t[2][0]["rel_err"] < 1e-2 and t[2][0]["grad_rel_err"] < 1e-2] or plans
+    fastest = min(t[2][0]["fwdbwd_ms"] for t in correct)
+    level0_ties = [t for t in correct if t[2][0]["fwdbwd_ms"] <= fastest * (1 + tie)]
+    return min(level0_ties, key=lambda t: (t[2][1]["fwdbwd_ms"], t[2][0]["fwdbwd_ms"]))
+
+
 def _case(provider, torch, F, M, D, H, gated, bias, quick):
     p = Problem(provider, torch, F, M, D, H, gated, bias)
     fwd_flops, fwdbwd_flops = p.flops()
@@ -349,8 +360,7 @@ def _case(provider, torch, F, M, D, H, gated, bias, quick):
         if r.get("fwdbwd_ms"):
             r["fwdbwd_TFLOPs"] = TFLOPs(fwdbwd_flops, r["fwdbwd_ms"])
             r["vs_torch"] = r["fwdbwd_ms"] / torch_ms
-    correct = [t for t in plans if t[2][0]["rel_err"] < 1e-2 and t[2][0]["grad_rel_err"] < 1e-2]
-    fwd_gelu, bgrad, levels = min(correct or plans, key=lambda t: t[2][0]["fwdbwd_ms"])
+    fwd_gelu, bgrad, levels = _pick_plan(plans)
     checks = {
         "fastest_plan": levels[0]["impl"],
         "levels_bit_identical": identical,
@@ -360,6 +370,10 @@ def _case(provider, torch, F, M, D, H, gated, bias, quick):
         "level1_time_vs_level0": levels[1]["fwdbwd_ms"] / levels[0]["fwdbwd_ms"],
         "level2_time_vs_level0": levels[2]["fwdbwd_ms"] / levels[0]["fwdbwd_ms"],
         "level2_saved_vs_level0": levels[2]["saved_GiB"] / max(levels[0]["saved_GiB"], 1e-12),
+        # level 2 recomputes GEMM1 in backward, so it costs at least level 0 plus GEMM1 at its best index
+        "level2_floor_vs_level0": 1 + min(per_gemm["fwd1 x@W1"][k]["ms"][str(per_gemm["fwd1 x@W1"][k]["best"])]
+                                          for k in ("fwd_bias", "fwd") if k in per_gemm["fwd1 x@W1"])
+                                  / levels[0]["fwdbwd_ms"],
     }
     checks["level0_met"] = checks["level0_vs_torch"] <= checks["level0_target_vs_torch"]
     checks["level2_met"] = checks["level2_saved_vs_level0"] <= 1 / 3 and checks["level2_time_vs_level0"] <= 1.15
@@ -425,6 +439,6 @@ def run(provider, quick: bool = False) -> dict:
     for line in lines:
         print("tuning:", line)
     return {**gelu, "llama8b_swiglu": swiglu,
-            "tuning": {"py": lines, "from": "gelu case's fastest plan; HEURISTIC from both cases' per-GEMM sweeps"},
+            "tuning": {"py": lines, "from": "the gelu case's chosen plan (_pick_plan); HEURISTIC from both cases' per-GEMM sweeps"},
             "target": {"gelu_vs_torch": 0.97, "swiglu_vs_torch": 0.95, "level2_saved_vs_level0": 1 / 3,
                        "level2_time_vs_level0": 1.15, "ceiling_TFLOPs": CEILING["bf16_gemm_TFLOPs"]}}

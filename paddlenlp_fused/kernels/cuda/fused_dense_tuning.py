@@ -20,7 +20,21 @@ GEMMS = ("fwd", "fwd_bias", "fwd_gelu_aux", "fwd_bias_gelu_aux", "dgrad", "wgrad
 # Index into cuBLASLt's algorithm list (its heuristic's order) for a GEMM not in HEURISTIC.
 DEFAULT_HEURISTIC = 0
 # (kind, dtype, M, N, K) -> index: the fastest of indices 0..7 for that GEMM ("tuning.heuristic").
-HEURISTIC: Dict[Tuple[str, str, int, int, int], int] = {}
+HEURISTIC: Dict[Tuple[str, str, int, int, int], int] = {
+    ('dgrad', 'bfloat16', 16384, 4096, 16384): 2,
+    ('dgrad', 'bfloat16', 16384, 4096, 28672): 1,
+    ('dgrad', 'bfloat16', 16384, 14336, 4096): 7,
+    ('dgrad', 'bfloat16', 16384, 16384, 4096): 6,
+    ('fwd', 'bfloat16', 16384, 4096, 14336): 1,
+    ('fwd', 'bfloat16', 16384, 4096, 16384): 5,
+    ('fwd', 'bfloat16', 16384, 16384, 4096): 2,
+    ('fwd', 'bfloat16', 16384, 28672, 4096): 6,
+    ('fwd_bias', 'bfloat16', 16384, 4096, 16384): 1,
+    ('fwd_bias', 'bfloat16', 16384, 16384, 4096): 1,
+    ('wgrad', 'bfloat16', 4096, 16384, 16384): 1,
+    ('wgrad', 'bfloat16', 4096, 28672, 16384): 3,
+    ('wgrad', 'bfloat16', 16384, 4096, 16384): 2,
+}
 
 # The MLP's elementwise work on the CUDA backend ("tuning.FWD_GELU_EPILOGUE", "tuning.BGRAD_EPILOGUE"):
 # FWD_GELU_EPILOGUE  gelu_approx in GEMM1's GELU_AUX_BIAS epilogue; False: GEMM1 with the bias
@@ -28,7 +42,7 @@ HEURISTIC: Dict[Tuple[str, str, int, int, int], int] = {}
 # BGRAD_EPILOGUE     bias gradients from the weight-gradient GEMM's BGRADA epilogue; False: plain
 #                    weight-gradient GEMMs, the bias gradients summed by Triton passes (the hidden
 #                    bias's inside the activation-backward pass, which reads that tensor anyway).
-FWD_GELU_EPILOGUE = True
+FWD_GELU_EPILOGUE = False
 BGRAD_EPILOGUE = False
 
 
