@@ -93,9 +93,9 @@ def _log2(x):
 
 @triton.jit
 def _cos_sin(x):
-    """(cos x, sin x). tl.cos / tl.sin call libdevice, whose path for large arguments reads a table
-    in local memory; on the GPU x is reduced to [-pi, pi] instead (two-constant Cody-Waite, exact
-    for |x| < 2^16 pi) for MUFU's cos.approx / sin.approx (absolute error about 2^-21 there)."""
+    """(cos x, sin x). tl.cos / tl.sin call libdevice, branchy with a slow path for large arguments;
+    on the GPU x is reduced to [-pi, pi] instead (two-constant Cody-Waite: x - 2 pi k exact while
+    |k| < 2^16) for MUFU's cos.approx / sin.approx (absolute error about 2^-21 there)."""
     if _INTERPRET:
         return tl.cos(x), tl.sin(x)
     else:
@@ -622,8 +622,8 @@ def _selective_scan_bwd_kernel(
                 q = (g[0] * p_re - g[1] * p_im, g[0] * p_im + g[1] * p_re)
             else:
                 decay_rev = tl.flip(decay, 0)
-                g = tl.flip(_scan_from(g_next, _previous_steps(decay_rev, decay_next), tl.flip(Ct * dy[:, :, None, :], 0),
-                                       steps), 0)
+                g = tl.flip(_scan_from(g_next, _previous_steps(decay_rev, decay_next),
+                                       tl.flip(Ct * dy[:, :, None, :], 0), steps), 0)
                 g_next = _step(g, steps, 0)
                 decay_next = _step(decay, steps, 0)
                 gB = tl.sum(g * Bt, axis=2)
