@@ -204,18 +204,18 @@ def _scan_launch_fwd(backend, u, delta, A, B, C, D, z, delta_bias, delta_softplu
     kernels = _SCAN_KERNELS[backend]
     plan = kernels.scan_plan(seqlen)
     out = empty_on(u.shape, u.dtype, u)
-    if A.dtype in _COMPLEX and backend == "triton":  # float32 states, the last one as (re, im) pairs
+    pairs = A.dtype in _COMPLEX and backend == "triton"  # float32 states, the last one as (re, im) pairs
+    if pairs:
         A, B, C = _triton_pairs(A, B, C)
-        states_shape, last_shape, state_dtype = kernels.states_shape(batch, dim, dstate, plan, True), \
-            [batch, dim, dstate, 2], "float32"
-    else:  # complex A on CUDA: complex64 states
+        states_shape, last_shape = kernels.states_shape(batch, dim, dstate, plan, True), [batch, dim, dstate, 2]
+    else:
         states_shape, last_shape = kernels.states_shape(batch, dim, dstate, plan), [batch, dim, dstate]
-        state_dtype = "complex64" if A.dtype in _COMPLEX else "float32"
+    state_dtype = "complex64" if A.dtype in _COMPLEX else "float32"  # complex A on CUDA: complex states
     states = empty_on(states_shape, state_dtype, u) if want_states else None
     last = empty_on(last_shape, state_dtype, u) if want_last else None
     _scan_launch(backend, "selective_scan_fwd", u, delta, A, B, C, out, D, z, delta_bias, states, last,
                  delta_softplus=delta_softplus, plan=plan)
-    if last is not None and len(last_shape) == 4:
+    if pairs and last is not None:
         last = paddle.as_complex(last)
     return out, states, last, plan
 
