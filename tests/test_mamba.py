@@ -354,21 +354,21 @@ def test_complex_A_through_mamba_inner(monkeypatch, backend):
 
 
 # complex A on the Triton scan: (activation dtype, B kind, C kind, D/z/delta_bias/softplus, (batch, dim,
-# seqlen, dstate)). Kinds: "pairs" input-dependent (re, im) pairs, "grouped" 3 groups of them, "fixed"
-# complex [dim, dstate], "real" a real fixed one (imaginary part 0). Odd sizes; seqlen 1; 19 steps
-# cross the forward's chunks (8) and the backward's (4).
+# seqlen, dstate), deterministic). Kinds: "pairs" input-dependent (re, im) pairs, "grouped" 3 groups of
+# them, "fixed" complex [dim, dstate], "real" a real fixed one (imaginary part 0). Odd sizes; seqlen 1;
+# 19 steps cross the forward's chunks (8) and the backward's (4).
 COMPLEX_CASES = {
-    "pairs-fp32": ("float32", "pairs", "pairs", True, (2, 5, 19, 3)),
-    "fixed-fp16": ("float16", "fixed", "fixed", False, (2, 6, 10, 2)),
-    "grouped-bf16": ("bfloat16", "grouped", "grouped", True, (1, 6, 9, 3)),
-    "mixed-seqlen1": ("float32", "fixed", "pairs", True, (2, 3, 1, 2)),
-    "real-fixed-C": ("bfloat16", "pairs", "real", False, (1, 4, 7, 2)),
+    "pairs-fp32": ("float32", "pairs", "pairs", True, (2, 5, 19, 3), False),
+    "fixed-fp16": ("float16", "fixed", "fixed", False, (2, 6, 10, 2), False),
+    "grouped-bf16-deterministic": ("bfloat16", "grouped", "grouped", True, (1, 6, 9, 3), True),
+    "mixed-seqlen1-deterministic": ("float32", "fixed", "pairs", True, (2, 3, 1, 2), True),
+    "real-fixed-C": ("bfloat16", "pairs", "real", False, (1, 4, 7, 2), False),
 }
 
 
 def _complex_case(case, rng):
     """Paddle inputs of a COMPLEX_CASES case (leaves) and their float64 / complex128 numpy values."""
-    dtype, B_kind, C_kind, options, (batch, dim, seqlen, dstate) = case
+    dtype, B_kind, C_kind, options, (batch, dim, seqlen, dstate), _ = case
 
     def bc(kind):
         if kind == "fixed":
@@ -413,12 +413,14 @@ def _check_complex_grads(names, got, want, term_sums, dtype):
 def test_complex_A_triton_scan_matches_float64_and_the_reference(name):
     """selective_scan_fn on Triton with complex A against the numpy float64 recurrence with its
     hand-written adjoint (testing/scan_reference.py), and against the reference backend's autograd in
-    float64 (Paddle's convention for complex gradients, dL/dre + i dL/dim)."""
+    float64 (Paddle's convention for complex gradients, dL/dre + i dL/dim); two cases through the
+    deterministic backward (the op's partials workspace in pairs)."""
     case = COMPLEX_CASES[name]
-    dtype, options = case[0], case[3]
+    dtype, options, deterministic = case[0], case[3], case[5]
     leaves, exact = _complex_case(case, np.random.default_rng(np.random.randint(2**31)))
     names = list(leaves)
-    out, last = selective_scan_fn(**leaves, delta_softplus=options, return_last_state=True, backend="triton")
+    out, last = selective_scan_fn(**leaves, delta_softplus=options, return_last_state=True, backend="triton",
+                                  deterministic=deterministic)
     assert out.dtype == leaves["u"].dtype and last.dtype == paddle.complex64 and last.stop_gradient
     dout = randn(out.shape, dtype)
     got = [_np64(g) for g in paddle.grad(out, list(leaves.values()), dout)]
