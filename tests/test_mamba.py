@@ -187,10 +187,10 @@ def _complex_inputs(batch=2, dim=4, dstate=3, seqlen=9):
 
 def test_complex_A_on_the_reference_path():
     """Complex A (mamba_ssm's convention: output 2 Re(C h)); fixed complex C and variable real
-    (re, im)-interleaved B. Triton refuses it by name; CUDA takes it (tests/gpu)."""
+    (re, im)-interleaved B. Every backend takes it (CUDA and Triton: tests/gpu, and below)."""
     u, delta, A, B_pairs, C = _complex_inputs()
     batch, dstate = u.shape[0], A.shape[1]
-    out = selective_scan_fn(u, delta, A, B_pairs, C, backend="auto")
+    out = selective_scan_fn(u, delta, A, B_pairs, C, backend="reference")
     du, dB = paddle.grad(out, [u, B_pairs], paddle.ones_like(out))
     u64, delta64, B64 = as_leaf64(u), as_leaf64(delta), as_leaf64(B_pairs)
     Bc = paddle.complex(B64[..., 0::2], B64[..., 1::2])
@@ -199,9 +199,8 @@ def test_complex_A_on_the_reference_path():
     assert_close("complex out", out.numpy(), y64.numpy(), "float32")
     assert_close("complex du", du.numpy(), du64.numpy(), "float32")
     assert_close("complex dB", dB.numpy(), dB64.numpy(), "float32")
-    with pytest.raises(BackendUnavailableError, match="complex A runs on the cuda and reference backends only"):
-        selective_scan_fn(u, delta, A, B_pairs, C, backend="triton")
-    assert _scan_unsupported(True, batch, dstate)("cuda") is None
+    assert _scan_unsupported(True, batch, dstate)("cuda") is None and _scan_unsupported(True, batch, dstate)("triton") \
+        is None
 
 
 def test_complex_A_cuda_routing_and_launcher_checks():
@@ -226,20 +225,20 @@ def test_complex_A_cuda_routing_and_launcher_checks():
         cuda_scan.selective_scan_fwd(u, delta, paddle.real(A), B_pairs[..., :seqlen], C, out)
 
 
-def test_complex_A_auto_on_a_gpu_without_the_cuda_library_takes_the_reference(monkeypatch):
-    """The Triton scan takes real A only: ``auto`` on a GPU whose CUDA library is missing runs complex A
-    on the reference, warning once with both reasons; real A still takes Triton there."""
+def test_complex_A_auto_on_a_gpu_without_the_cuda_library_takes_triton(monkeypatch):
+    """``auto`` on a GPU whose CUDA library is missing runs complex A on Triton, warning once with the
+    reason; real A takes Triton there without a warning."""
     from paddlenlp_fused.runtime import backend as rb
 
     monkeypatch.setattr(rb, "_warned", set())
     monkeypatch.setattr(rb, "backend_status", lambda name, device: rb.BackendStatus(
         name != "cuda", "the CUDA library is not built" if name == "cuda" else ""))
     for op in ("selective_scan", "mamba_inner"):
-        with pytest.warns(RuntimeWarning, match=r"falling back to the reference backend \(cuda: the CUDA library "
-                                                r"is not built; triton: complex A runs on the cuda and reference"):
+        with pytest.warns(RuntimeWarning, match=r"falling back to the triton backend \(cuda: the CUDA library "
+                                                r"is not built\)"):
             assert rb.resolve_backend(op, "auto", "gpu", implemented=mamba_ops.SCAN_IMPLEMENTED,
                                       unsupported=_scan_unsupported(True, 2, 3),
-                                      prefer=mamba_ops.COMPLEX_A_PREFER) == "reference"
+                                      prefer=mamba_ops.COMPLEX_A_PREFER) == "triton"
     assert rb.resolve_backend("selective_scan", "auto", "gpu", implemented=mamba_ops.SCAN_IMPLEMENTED,
                               unsupported=_scan_unsupported(False, 2, 3)) == "triton"
 
@@ -329,10 +328,11 @@ def test_complex_A_through_the_cuda_pylayer(monkeypatch):
             assert_close(name, as_pairs(g.numpy()), as_pairs(w.numpy()), "float32")
 
 
-def test_complex_A_through_mamba_inner_cuda_path(monkeypatch):
-    """mamba_inner_fn's PyLayer on the CUDA path with complex A (scan launchers stood in): B and C
-    projected from x_proj's rows as (re, im) pairs, their gradients folded back into those rows and the
-    projection biases; against the reference composition in float64."""
+@pytest.mark.parametrize("backend", ("cuda", "triton"))
+def test_complex_A_through_mamba_inner(monkeypatch, backend):
+    """mamba_inner_fn's PyLayer with complex A on the CUDA path (scan launchers stood in) and on Triton:
+    B and C projected from x_proj's rows as (re, im) pairs, their gradients folded back into those rows
+    and the projection biases; against the reference composition in float64."""
     dim, dstate = 8, 3
     a = _inner_inputs(dim=dim, dstate=2 * dstate)  # x_proj [dim, r + 2 * 2n], B/C biases [2n]
     a["A"] = paddle.complex(paddle.to_tensor(-np.exp(np.random.randn(dim, dstate) * 0.5).astype(np.float32)),
@@ -341,15 +341,218 @@ def test_complex_A_through_mamba_inner_cuda_path(monkeypatch):
     names = sorted(a)
     a64 = {n: _leaf64(t) for n, t in a.items()}
     y64 = mamba_inner_ref(**a64)
-    monkeypatch.setitem(mamba_ops._SCAN_KERNELS, "cuda", _CudaStandIn())
-    monkeypatch.setattr(mamba_ops, "resolve_backend", lambda *args, **kwargs: "cuda")
-    out = mamba_inner_fn(**a, backend="cuda")
+    if backend == "cuda":
+        monkeypatch.setitem(mamba_ops._SCAN_KERNELS, "cuda", _CudaStandIn())
+        monkeypatch.setattr(mamba_ops, "resolve_backend", lambda *args, **kwargs: "cuda")
+    out = mamba_inner_fn(**a, backend=backend)
     assert_close("out", out.numpy(), y64.numpy(), "float32")
     dout = randn(out.shape)
     grads = paddle.grad(out, [a[n] for n in names], dout)
     grads64 = paddle.grad(y64, [a64[n] for n in names], paddle.to_tensor(to64(dout)))
     for name, g, w in zip(names, grads, grads64):
         assert_close(f"d{name}", as_pairs(g.numpy()), as_pairs(w.numpy()), "float32")
+
+
+# complex A on the Triton scan: (activation dtype, B kind, C kind, D/z/delta_bias/softplus, (batch, dim,
+# seqlen, dstate), deterministic). Kinds: "pairs" input-dependent (re, im) pairs, "grouped" 3 groups of
+# them, "fixed" complex [dim, dstate], "real" a real fixed one (imaginary part 0). Odd sizes; seqlen 1;
+# 19 steps cross the forward's chunks (8) and the backward's (4).
+COMPLEX_CASES = {
+    "pairs-fp32": ("float32", "pairs", "pairs", True, (2, 5, 19, 3), False),
+    "fixed-fp16": ("float16", "fixed", "fixed", False, (2, 6, 10, 2), False),
+    "grouped-bf16-deterministic": ("bfloat16", "grouped", "grouped", True, (1, 6, 9, 3), True),
+    "mixed-seqlen1-deterministic": ("float32", "fixed", "pairs", True, (2, 3, 1, 2), True),
+    "real-fixed-C": ("bfloat16", "pairs", "real", False, (1, 4, 7, 2), False),
+}
+
+
+def _complex_case(case, rng):
+    """Paddle inputs of a COMPLEX_CASES case (leaves) and their float64 / complex128 numpy values."""
+    dtype, B_kind, C_kind, options, (batch, dim, seqlen, dstate), _ = case
+
+    def bc(kind):
+        if kind == "fixed":
+            return rng.standard_normal((dim, dstate)) + 1j * rng.standard_normal((dim, dstate)), "complex64"
+        if kind == "real":
+            return rng.standard_normal((dim, dstate)), "float32"
+        return rng.standard_normal((batch, 3, dstate, 2 * seqlen) if kind == "grouped" else
+                                   (batch, dstate, 2 * seqlen)), dtype
+    values = dict(u=(rng.standard_normal((batch, dim, seqlen)), dtype),
+                  delta=(rng.standard_normal((batch, dim, seqlen)) * 0.5 - (1.0 if options else -0.5), dtype),
+                  # decaying, oscillating up to a few radians a step
+                  A=(-np.exp(rng.standard_normal((dim, dstate)) * 0.5) + 2j * rng.standard_normal((dim, dstate)),
+                     "complex64"),
+                  B=bc(B_kind), C=bc(C_kind))
+    if options:
+        values.update(D=(rng.standard_normal(dim), "float32"), z=(rng.standard_normal((batch, dim, seqlen)), dtype),
+                      delta_bias=(rng.standard_normal(dim) * 0.3, "float32"))
+    leaves, exact = {}, {}
+    for name, (x, t_dtype) in values.items():
+        t = paddle.to_tensor(x.astype(np.complex64 if t_dtype == "complex64" else np.float32)).astype(t_dtype)
+        t.stop_gradient = False
+        leaves[name], exact[name] = t, _np64(t)
+    return leaves, exact
+
+
+def _np64(t):
+    """float64 (complex128) numpy values of a tensor of any dtype."""
+    return t.numpy().astype(np.complex128) if t.is_complex() else to64(t)
+
+
+def _check_complex_grads(names, got, want, term_sums, dtype):
+    """Gradients against float64 ones: those summing a term per token (dA, fixed dB/dC, dD, ddelta_bias)
+    by ``assert_sum_close``, the rest by their (re, im) pairs."""
+    for name, g, w in zip(names, got, want):
+        if name in term_sums:
+            assert_sum_close(name, g, w, term_sums[name], dtype)
+        else:
+            assert_close(name, as_pairs(g), as_pairs(w), dtype)
+
+
+@pytest.mark.parametrize("name", sorted(COMPLEX_CASES))
+def test_complex_A_triton_scan_matches_float64_and_the_reference(name):
+    """selective_scan_fn on Triton with complex A against the numpy float64 recurrence with its
+    hand-written adjoint (testing/scan_reference.py), and against the reference backend's autograd in
+    float64 (Paddle's convention for complex gradients, dL/dre + i dL/dim); two cases through the
+    deterministic backward (the op's partials workspace in pairs)."""
+    case = COMPLEX_CASES[name]
+    dtype, options, deterministic = case[0], case[3], case[5]
+    leaves, exact = _complex_case(case, np.random.default_rng(np.random.randint(2**31)))
+    names = list(leaves)
+    out, last = selective_scan_fn(**leaves, delta_softplus=options, return_last_state=True, backend="triton",
+                                  deterministic=deterministic)
+    assert out.dtype == leaves["u"].dtype and last.dtype == paddle.complex64 and last.stop_gradient
+    dout = randn(out.shape, dtype)
+    got = [_np64(g) for g in paddle.grad(out, list(leaves.values()), dout)]
+    for g, t in zip(got, leaves.values()):
+        assert g.shape == tuple(t.shape)
+    grad_names = ["d" + n if n in "ABCD" else {"u": "du", "delta": "ddelta", "z": "dz"}.get(n, "d" + n) for n in names]
+
+    ref_out, ref_last, ref_grads, term_sums = selective_scan_reference(**exact, softplus=options, dout=to64(dout))
+    assert_close("out", to64(out), ref_out, dtype)
+    assert_close("last_state", as_pairs(_np64(last)), as_pairs(ref_last), dtype)
+    # a real fixed C's gradient is the real part of the complex one
+    want = [ref_grads[g].real if not np.iscomplexobj(exact[n]) else ref_grads[g] for g, n in zip(grad_names, names)]
+    _check_complex_grads(grad_names, got, want, term_sums, dtype)
+
+    leaves64 = {n: _leaf64(t) for n, t in leaves.items()}
+    out64 = selective_scan_ref(**leaves64, delta_softplus=options)
+    assert_close("out vs the reference", to64(out), out64.numpy(), dtype)
+    # (seqlen 1: A, whose first decay multiplies the zero initial state, is not in the reference's graph)
+    want = [np.zeros(t.shape, _np64(t).dtype) if g is None else _np64(g) for g, t in zip(
+        paddle.grad(out64, list(leaves64.values()), paddle.to_tensor(to64(dout)), allow_unused=True),
+        leaves64.values())]
+    _check_complex_grads(grad_names, got, want, term_sums, dtype)
+
+
+def _complex_launch(u, delta, A, B, C, D, z, bias, dout, plan, nan, partials=False, block_d=None):
+    """The Triton launchers on (re, im) pair tensors, every output poisoned: (out, last, out_z, grads)."""
+    batch, dim, seqlen = u.shape
+    dstate = A.shape[1]
+    out, out_z, du, ddelta, dz = (nan(u.shape) for _ in range(5))
+    last = nan((batch, dim, dstate, 2))
+    states = nan(scan_kernels.states_shape(batch, dim, dstate, plan, True))
+    work = nan(scan_kernels.workspace_shape(batch, dim, dstate, plan, True))
+    scan_kernels.selective_scan_fwd(*triton_args(u, delta, A, B, C, out, D, z, bias, states, last),
+                                    delta_softplus=True, plan=plan, block_d=block_d)
+    acc = [paddle.zeros(list(t.shape), dtype="float32") for t in (A, B, C, D, bias)]
+    options = dict(plan=plan, block_d=block_d)
+    if partials:
+        layout = scan_kernels.bwd_partials_layout(*triton_args(u, A, B, C, D, bias), **options)
+        options["partials"] = triton_args(nan((layout["numel"],)))[0]
+    scan_kernels.selective_scan_bwd(*triton_args(u, delta, A, B, C, dout, states, work, du, ddelta, acc[0], acc[1],
+                                                 acc[2], D, z, bias, acc[3], dz, acc[4], out_z),
+                                    delta_softplus=True, **options)
+    return out, last, out_z, dict(du=du, ddelta=ddelta, dA=acc[0], dB=acc[1], dC=acc[2], dD=acc[3], dz=dz,
+                                  ddelta_bias=acc[4])
+
+
+def test_complex_A_triton_launchers_strided_chunked_deterministic():
+    """The launchers directly with complex A: chunks of 4 in segments of 2 (4 segments, the last
+    partial), every output poisoned; u, delta, z, dout as [b, l, d] memory viewed [b, d, l], A's pairs
+    from a transposed complex tensor, B's from [b, l, n, 2] memory viewed [b, n, l, 2] (fixed complex C).
+    Equal to float64; the deterministic backward (blocks of 2 dims, partials poisoned) equal to it and
+    bit-identical twice."""
+    batch, dim, seqlen, dstate = 2, 4, 15, 3
+    rng = np.random.default_rng(np.random.randint(2**31))
+    def strided(x):
+        return paddle.to_tensor(np.ascontiguousarray(x.transpose(0, 2, 1)).astype(np.float32)).transpose([0, 2, 1])
+    u, z, dout = (strided(rng.standard_normal((batch, dim, seqlen))) for _ in range(3))
+    delta = strided(rng.standard_normal((batch, dim, seqlen)) * 0.5 - 1.0)
+    A64 = -np.exp(rng.standard_normal((dim, dstate)) * 0.5) + 2j * rng.standard_normal((dim, dstate))
+    A = paddle.as_real(paddle.to_tensor(np.ascontiguousarray(A64.T).astype(np.complex64)).transpose([1, 0]))
+    B64 = rng.standard_normal((batch, dstate, 2 * seqlen))
+    B = paddle.to_tensor(np.ascontiguousarray(B64.reshape(batch, dstate, seqlen, 2).transpose(0, 2, 1, 3))
+                         .astype(np.float32)).transpose([0, 2, 1, 3])
+    C64 = rng.standard_normal((dim, dstate)) + 1j * rng.standard_normal((dim, dstate))
+    C = paddle.as_real(paddle.to_tensor(C64.astype(np.complex64)))
+    D, bias = paddle.to_tensor(rng.standard_normal(dim).astype(np.float32)), \
+        paddle.to_tensor((rng.standard_normal(dim) * 0.3).astype(np.float32))
+    assert not (u.is_contiguous() or A.is_contiguous() or B.is_contiguous())
+    plan = scan_kernels.scan_plan(seqlen, chunk=4, seg_chunks=2)
+    assert (plan.n_chunks, plan.n_segments) == (4, 2)
+    nan = lambda shape: paddle.full(list(shape), float("nan"), dtype="float32")  # noqa: E731
+    exact = dict(u=to64(u), delta=to64(delta), A=A64.astype(np.complex64).astype(np.complex128),
+                 B=B64.astype(np.float32).astype(np.float64), C=C64.astype(np.complex64).astype(np.complex128),
+                 D=to64(D), z=to64(z), delta_bias=to64(bias))
+    ref_out, ref_last, ref_grads, term_sums = selective_scan_reference(**exact, softplus=True, dout=to64(dout))
+    runs = [_complex_launch(u, delta, A, B, C, D, z, bias, dout, plan, nan)] + \
+        [_complex_launch(u, delta, A, B, C, D, z, bias, dout, plan, nan, partials=True, block_d=2) for _ in range(2)]
+    for out, last, out_z, grads in runs[:2]:
+        assert_close("out", out.numpy(), ref_out, "float32")
+        assert_close("out_z", out_z.numpy(), ref_out, "float32")
+        assert_close("last_state", last.numpy(), as_pairs(ref_last), "float32")
+        names = list(grads)
+        got = [g.numpy() for g in grads.values()]
+        got = [g[..., 0] + 1j * g[..., 1] if np.iscomplexobj(ref_grads[n]) else g.reshape(ref_grads[n].shape)
+               for n, g in zip(names, got)]
+        _check_complex_grads(names, got, [ref_grads[n] for n in names], term_sums, "float32")
+    for name in runs[1][3]:
+        assert np.array_equal(runs[1][3][name].numpy(), runs[2][3][name].numpy()), name
+
+
+def test_complex_A_bad_inputs():
+    """What complex A cannot take is named, the same on every backend (the ops check before choosing
+    one); the Triton launchers name a wrong pair layout."""
+    u, delta, A, B_pairs, C = (t.detach() for t in _complex_inputs(batch=1, dim=4, dstate=3, seqlen=5))
+    for backend in ("triton", "reference", "cuda"):
+        with pytest.raises(TypeError, match=r"B: expected dtype in .* \(input-dependent \(real \(re, im\) pairs\)\), "
+                                            r"got complex64"):
+            selective_scan_fn(u, delta, A, paddle.complex(B_pairs, B_pairs), C, backend=backend)
+        with pytest.raises(TypeError, match=r"C: expected dtype in .* \(real A\), got complex64"):
+            selective_scan_fn(u, delta, paddle.real(A), B_pairs[..., :5], C, backend=backend)
+        with pytest.raises(ValueError, match=r"B: expected .*seqlen=10"):
+            selective_scan_fn(u, delta, A, B_pairs[..., :5], C, backend=backend)
+        with pytest.raises(TypeError, match="C: expected dtype in .*got int32"):
+            selective_scan_fn(u, delta, A, B_pairs, paddle.ones([4, 3], dtype="int32"), backend=backend)
+    A_pairs, C_pairs, B4 = paddle.as_real(A), paddle.as_real(C), B_pairs.reshape([1, 3, 5, 2])
+    out = paddle.empty_like(u)
+    with pytest.raises(ValueError, match=r"A: expected \[dim=4, dstate\] \(real\) or \[dim=4, dstate, 2\]"):
+        scan_kernels.selective_scan_fwd(*triton_args(u, delta, paddle.concat([A_pairs, A_pairs], -1), B4, C_pairs,
+                                                     out))
+    with pytest.raises(ValueError, match=r"B: expected \(re, im\) pairs .* with the last axis contiguous"):
+        scan_kernels.selective_scan_fwd(*triton_args(u, delta, A_pairs, B4.transpose([0, 1, 3, 2]).contiguous()
+                                                     .transpose([0, 1, 3, 2]), C_pairs, out))
+    with pytest.raises(ValueError, match=r"C: expected shape \(4, 3, 2\)"):
+        scan_kernels.selective_scan_fwd(*triton_args(u, delta, A_pairs, B4, C_pairs[:3], out))
+    with pytest.raises(ValueError, match=r"last_state: expected shape \(1, 4, 3, 2\)"):
+        scan_kernels.selective_scan_fwd(*triton_args(u, delta, A_pairs, B4, C_pairs, out),
+                                        last_state=triton_args(paddle.empty([1, 4, 3]))[0])
+
+
+def test_complex128_A_on_triton_computes_as_the_reference():
+    """complex128 A (and fixed C) with float32 activations: Triton computes in complex64, as the
+    reference does (its compute dtype follows the activations), gradients in complex128."""
+    u, delta, A, B_pairs, C = (t.detach() for t in _complex_inputs(batch=1, dim=3, dstate=2, seqlen=6))
+    A, C = A.astype("complex128"), C.astype("complex128")
+    A.stop_gradient = C.stop_gradient = False
+    out = selective_scan_fn(u, delta, A, B_pairs, C, backend="triton")
+    ref = selective_scan_ref(u, delta, A, B_pairs, C)
+    assert_close("out", out.numpy(), ref.numpy().astype(np.float64), "float32")
+    dout = randn(out.shape)
+    for name, g, w in zip("AC", paddle.grad(out, [A, C], dout), paddle.grad(ref, [A, C], dout)):
+        assert g.dtype == paddle.complex128, name
+        assert_close("d" + name, as_pairs(g.numpy()), as_pairs(w.numpy()), "float32")
 
 
 def test_scan_cuda_backend_on_cpu_and_its_limits():
@@ -477,10 +680,11 @@ def test_scan_deterministic_option_flag_and_routing(monkeypatch):
                                   unsupported=why, prefer=("cuda", "triton")) == "triton"
     with pytest.raises(BackendUnavailableError, match="'cuda' does not support this call: deterministic"):
         rb.resolve_backend("selective_scan", "cuda", "gpu", implemented=mamba_ops.SCAN_IMPLEMENTED, unsupported=why)
-    with pytest.warns(RuntimeWarning, match=r"falling back to the reference backend \(cuda: deterministic"):
+    monkeypatch.setattr(rb, "_warned", set())
+    with pytest.warns(RuntimeWarning, match=r"falling back to the triton backend \(cuda: deterministic"):
         assert rb.resolve_backend("selective_scan", "auto", "gpu", implemented=mamba_ops.SCAN_IMPLEMENTED,
                                   unsupported=_scan_unsupported(True, 2, 3, None, True),
-                                  prefer=mamba_ops.COMPLEX_A_PREFER) == "reference"
+                                  prefer=mamba_ops.COMPLEX_A_PREFER) == "triton"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,16 +22,18 @@ Signatures follow ``mamba_ssm`` as a superset (plus ``backend=``); the causal co
 
 Backends of the scan (``selective_scan_fn`` and the scan inside ``mamba_inner_fn``): ``cuda``
 (``csrc/selective_scan.cu``), ``triton`` (``kernels/triton/selective_scan.py``), both inside PyLayers
-with matmuls by Paddle, and ``reference`` (pure Paddle, float32). Complex A runs on the ``cuda`` and
-``reference`` backends (``auto`` takes CUDA for it on the GPU, the reference with a warning where the
-CUDA library is not built); asking Triton for it raises ``BackendUnavailableError``.
+with matmuls by Paddle, and ``reference`` (pure Paddle, float32). Complex A runs on all three: ``auto``
+takes CUDA for it on the GPU (complex64 A and fixed B/C), Triton where the CUDA library is not built or
+cannot take the call (with a warning), Triton in the interpreter on the CPU, else the reference. The
+Triton kernels take complex64 or complex128 A and complex or real fixed B/C (computing in complex64,
+as the reference does for float32 activations).
 
 ``deterministic`` (both ops; None follows ``FLAGS_cudnn_deterministic``, see
 ``runtime/determinism.py``): the Triton backward stores its per-program sums of dA, dB, dC, dD and
 ddelta_bias (and the conv's weight gradients) in a float32 workspace and adds them in a fixed order
-instead of fp32 atomics, so two runs give bit-identical gradients. The CUDA backward uses atomics:
-``auto`` routes a call that can be differentiated around it (Triton; the reference for complex A, with
-a warning), an explicit ``backend="cuda"`` raises ``BackendUnavailableError``.
+instead of fp32 atomics, so two runs give bit-identical gradients (complex A too). The CUDA backward
+uses atomics: ``auto`` routes a call that can be differentiated around it (to Triton, with a warning),
+an explicit ``backend="cuda"`` raises ``BackendUnavailableError``.
 """
 
 from __future__ import annotations
@@ -55,11 +57,11 @@ IMPLEMENTED = ("triton", "reference")
 SCAN_IMPLEMENTED = ("cuda", "triton", "reference")
 _SCAN_KERNELS = {"cuda": cuda_scan, "triton": scan_kernels}
 # ``auto`` on the GPU: the order the scan's backends are tried in for real A, Triton first (faster at
-# the benchmark shape: benchmarks/NOTES.md); CUDA runs when Triton cannot (complex A among them:
-# Triton takes real A only) or when asked for.
+# the benchmark shape: benchmarks/NOTES.md); CUDA runs when Triton cannot or when asked for.
 SCAN_AUTO_ORDER = gpu_order("selective_scan")
-COMPLEX_A_BACKENDS = ("cuda", "reference")  # the Triton scan takes real A only
-# ``auto`` on the GPU for complex A: CUDA; without its library, the reference, warning with both reasons
+COMPLEX_A_BACKENDS = ("cuda", "triton", "reference")
+# ``auto`` on the GPU for complex A: CUDA first (the Triton complex scan is not yet measured against it
+# on the GPU), Triton where CUDA cannot run the call
 COMPLEX_A_PREFER = ("cuda", "triton")
 CUDA_MAX_DSTATE = 256  # shared-memory carries of csrc/selective_scan.cu
 CUDA_MAX_BATCH = 65535  # grid y
@@ -71,8 +73,17 @@ _INT_DTYPES = ("int32", "int64")
 # argument checks
 
 
+_REAL_DTYPES = T.FLOAT_DTYPES + ("float64",)
+_COMPLEX_NAMES = ("complex64", "complex128")
+
+
 def _check_bc(name, t, batch, dim, dstate, seqlen, complex_A):
     check_tensor(name, t, float_dtypes=None)
+    # complex only where it goes with complex A: a fixed B/C (a real one then has imaginary part 0)
+    allowed = _REAL_DTYPES + (_COMPLEX_NAMES if complex_A and t.ndim == 2 else ())
+    if T.dtype_name(t) not in allowed:
+        kind = ("fixed" if t.ndim == 2 else "input-dependent (real (re, im) pairs)") if complex_A else "real A"
+        raise TypeError(f"{name}: expected dtype in {list(allowed)} ({kind}), got {T.dtype_name(t)}")
     shape = list(t.shape)
     # complex A with input-dependent B/C: mamba_ssm's real [..., dstate, 2 * seqlen] (re, im) pairs
     length = 2 * seqlen if complex_A and t.ndim > 2 else seqlen
@@ -166,6 +177,26 @@ def _scan_launch(backend, name, *tensors, **options):
     getattr(_SCAN_KERNELS[backend], name)(*tensors, **options)
 
 
+def _triton_pairs(A, B, C):
+    """Complex A, B, C as the Triton kernels take them, float (re, im) pairs along a trailing axis
+    (views where they can be): A and fixed B/C [dim, dstate, 2] (a real fixed one with imaginary part
+    0), input-dependent B/C [.., dstate, seqlen, 2] (mamba_ssm's [.., dstate, 2 seqlen] viewed so)."""
+    def pairs(t):
+        if t.ndim > 2:
+            return t.reshape(list(t.shape[:-1]) + [t.shape[-1] // 2, 2])
+        return paddle.as_real(t) if t.dtype in _COMPLEX else paddle.stack([t, paddle.zeros_like(t)], axis=-1)
+    return paddle.as_real(A), pairs(B), pairs(C)
+
+
+def _unpaired(grad, t):
+    """A Triton gradient accumulated in (re, im) pairs (``_triton_pairs``) in t's form: complex64 for
+    complex t, the real part for a real fixed B/C, t's shape for an input-dependent one."""
+    if t.ndim > 2:
+        return grad.reshape(t.shape)
+    grad = paddle.as_complex(grad)
+    return grad if t.dtype in _COMPLEX else paddle.real(grad)
+
+
 def _scan_launch_fwd(backend, u, delta, A, B, C, D, z, delta_bias, delta_softplus, want_states, want_last):
     """(out, states, last_state, plan) from the forward kernel of ``backend`` on contiguous inputs."""
     batch, dim, seqlen = u.shape
@@ -173,40 +204,57 @@ def _scan_launch_fwd(backend, u, delta, A, B, C, D, z, delta_bias, delta_softplu
     kernels = _SCAN_KERNELS[backend]
     plan = kernels.scan_plan(seqlen)
     out = empty_on(u.shape, u.dtype, u)
-    state_dtype = "complex64" if A.dtype in _COMPLEX else "float32"  # complex A (CUDA): complex states
-    states = empty_on(kernels.states_shape(batch, dim, dstate, plan), state_dtype, u) if want_states else None
-    last = empty_on([batch, dim, dstate], state_dtype, u) if want_last else None
+    pairs = A.dtype in _COMPLEX and backend == "triton"  # float32 states, the last one as (re, im) pairs
+    if pairs:
+        A, B, C = _triton_pairs(A, B, C)
+        states_shape, last_shape = kernels.states_shape(batch, dim, dstate, plan, True), [batch, dim, dstate, 2]
+    else:
+        states_shape, last_shape = kernels.states_shape(batch, dim, dstate, plan), [batch, dim, dstate]
+    state_dtype = "complex64" if A.dtype in _COMPLEX else "float32"  # complex A on CUDA: complex states
+    states = empty_on(states_shape, state_dtype, u) if want_states else None
+    last = empty_on(last_shape, state_dtype, u) if want_last else None
     _scan_launch(backend, "selective_scan_fwd", u, delta, A, B, C, out, D, z, delta_bias, states, last,
                  delta_softplus=delta_softplus, plan=plan)
+    if pairs and last is not None:
+        last = paddle.as_complex(last)
     return out, states, last, plan
 
 
 def _scan_launch_bwd(backend, saved, dout, plan, delta_softplus, want_out_z=False, deterministic=False):
-    """Gradients (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias) in float32 accumulators / input
-    dtypes, and the recomputed output when ``want_out_z``. ``deterministic`` (Triton only): the
+    """Gradients (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias) in float32 (complex64) accumulators /
+    input dtypes, and the recomputed output when ``want_out_z``. ``deterministic`` (Triton only): the
     accumulated gradients are summed in a fixed order (a float32 partials workspace)."""
     u, delta, A, B, C, D, z, delta_bias, states = saved
     batch, dim, seqlen = u.shape
     dstate = A.shape[1]
+    pairs = A.dtype in _COMPLEX and backend == "triton"
+    kernel_A, kernel_B, kernel_C = _triton_pairs(A, B, C) if pairs else (A, B, C)
     du, ddelta = empty_on(u.shape, u.dtype, u), empty_on(delta.shape, delta.dtype, u)
     dz = None if z is None else empty_on(z.shape, z.dtype, u)
     out_z = empty_on(u.shape, u.dtype, u) if want_out_z and z is not None else None
-    dA, dB, dC = _accumulator(A, u), _accumulator(B, u), _accumulator(C, u)
+    dA, dB, dC = (_accumulator(t, u) for t in (kernel_A, kernel_B, kernel_C))
     dD = None if D is None else zeros32_on(D.shape, u)
     ddb = None if delta_bias is None else zeros32_on(delta_bias.shape, u)
-    work_shape = _SCAN_KERNELS[backend].workspace_shape(batch, dim, dstate, plan)
+    if pairs:
+        work_shape = scan_kernels.workspace_shape(batch, dim, dstate, plan, True)
+    else:
+        work_shape = _SCAN_KERNELS[backend].workspace_shape(batch, dim, dstate, plan)
     work = None if work_shape is None else empty_on(work_shape, "float32", u)
     options = {}
     if deterministic:
-        layout = scan_kernels.bwd_partials_layout(*triton_args(u, A, B, C, D, delta_bias), plan=plan)
+        layout = scan_kernels.bwd_partials_layout(*triton_args(u, kernel_A, kernel_B, kernel_C, D, delta_bias),
+                                                  plan=plan)
         options["partials"] = triton_args(empty_on([layout["numel"]], "float32", u))[0]
-    _scan_launch(backend, "selective_scan_bwd", u, delta, A, B, C, contiguous(dout), states, work, du, ddelta, dA,
-                 dB, dC, D, z, delta_bias, dD, dz, ddb, out_z, delta_softplus=delta_softplus, plan=plan, **options)
+    _scan_launch(backend, "selective_scan_bwd", u, delta, kernel_A, kernel_B, kernel_C, contiguous(dout), states,
+                 work, du, ddelta, dA, dB, dC, D, z, delta_bias, dD, dz, ddb, out_z, delta_softplus=delta_softplus,
+                 plan=plan, **options)
+    if pairs:
+        dA, dB, dC = _unpaired(dA, A), _unpaired(dB, B), _unpaired(dC, C)
     return du, ddelta, dA, dB, dC, dD, dz, ddb, out_z
 
 
 def _accumulator(t, like):
-    """A zeroed gradient accumulator for t: complex64 for complex t (complex A), else float32."""
+    """A zeroed gradient accumulator for t: complex64 for complex t (complex A on CUDA), else float32."""
     if t.dtype in _COMPLEX:
         return paddle.zeros(list(t.shape), dtype="complex64", device=like.place)
     return zeros32_on(t.shape, like)
@@ -246,7 +294,6 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
     bit-reproducible (no atomics; not on the CUDA backend)."""
     complex_A = _check_scan_args(u, delta, A, B, C, D, z, delta_bias)
     deterministic = _deterministic_backward(deterministic, u, delta, A, B, C, D, z, delta_bias)
-    # complex A tries CUDA first (Triton first would warn of a fallback on every such call)
     chosen = resolve_backend("selective_scan", backend, device_of(u), implemented=SCAN_IMPLEMENTED,
                              unsupported=_scan_unsupported(complex_A, u.shape[0], A.shape[1],
                                                            _cuda_dtype_issue(u, delta, z, A, B, C, D, delta_bias),

@@ -52,15 +52,13 @@ def _expand_bc(t, dim: int, cdt, complex_dtype=None):
     if t.ndim == 2:  # fixed [d, n]
         t = t.astype(complex_dtype) if complex_dtype and _is_complex(t) else t.astype(cdt)
         return t[None, :, :, None]
+    t = t.astype(cdt)
+    # [b, n, l] or [b, g, n, l]; the groups repeated before the pairs become complex (Paddle's
+    # repeat_interleave has no complex kernel)
+    t = t[:, None] if t.ndim == 3 else paddle.repeat_interleave(t, dim // t.shape[1], axis=1)
     if complex_dtype and not _is_complex(t):  # (real, imag) pairs along the last axis
-        t = t.astype(cdt)
         t = paddle.complex(t[..., 0::2], t[..., 1::2])
-    else:
-        t = t.astype(cdt)
-    if t.ndim == 3:  # [b, n, l]
-        return t[:, None]
-    groups = t.shape[1]  # [b, g, n, l]
-    return paddle.repeat_interleave(t, dim // groups, axis=1)
+    return t
 
 
 def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,

@@ -361,6 +361,15 @@ def _scan_inputs(batch=2, dim=4, seqlen=7, dstate=3):
                 D=randn(dim), z=randn(batch, dim, seqlen), delta_bias=randn(dim, scale=0.5))
 
 
+def _complex_scan_inputs(batch=2, dim=4, seqlen=7, dstate=3):
+    """Complex A (passed along: the suite differentiates the float inputs) with input-dependent B and C
+    as mamba_ssm's real (re, im) pairs [batch, dstate, 2 seqlen]."""
+    return dict(u=randn(batch, dim, seqlen), delta=randn(batch, dim, seqlen, scale=0.5),
+                A=paddle.complex(-uniform(0.5, 1.5, dim, dstate), randn(dim, dstate, scale=2.0)),
+                B=randn(batch, dstate, 2 * seqlen), C=randn(batch, dstate, 2 * seqlen), D=randn(dim),
+                z=randn(batch, dim, seqlen), delta_bias=randn(dim, scale=0.5))
+
+
 def _inner_inputs(batch=2, dim=4, seqlen=6, dstate=3, rank=2, d_model=5):
     return dict(xz=randn(batch, 2 * dim, seqlen), conv_w=randn(dim, 4, scale=0.5), conv_b=randn(dim),
                 x_proj_w=randn(dim, rank + 2 * dstate, scale=0.5), delta_proj_w=randn(rank, dim, scale=0.5),
@@ -387,6 +396,15 @@ MAMBA = [
           _scan_inputs,
           lambda backend, **t: pf.selective_scan_fn(**t, delta_softplus=True, backend=backend, deterministic=True),
           lambda **t: mamba_ref.selective_scan_ref(**t, delta_softplus=True)),
+    Entry("selective_scan_fn(complex A)",
+          _complex_scan_inputs,
+          lambda backend, **t: pf.selective_scan_fn(**t, delta_softplus=True, backend=backend),
+          lambda **t: mamba_ref.selective_scan_ref(**t, delta_softplus=True),
+          empty=lambda: _complex_scan_inputs(seqlen=0),
+          bad=(Bad("B pairs length", lambda i: {**i, "B": randn(2, 3, 7)}, ValueError, "B"),
+               Bad("complex input-dependent C", lambda i: {**i, "C": paddle.complex(i["C"], i["C"])}, TypeError,
+                   "C")),
+          low_precision=("u", "delta", "z"), amp_factor=MAMBA_AMP_FACTOR),
     Entry("causal_conv1d_fn",
           lambda: dict(x=randn(2, 5, 9), weight=randn(5, 4), bias=randn(5)),
           lambda backend, x, weight, bias: pf.causal_conv1d_fn(x, weight, bias, activation="silu", backend=backend),

@@ -1,5 +1,6 @@
-"""Complex A on the CUDA selective scan (the kComplex kernels of csrc/selective_scan.cu) against a
-float64 numpy recurrence with a hand-written adjoint, itself checked against central differences.
+"""Complex A on the CUDA selective scan (the kComplex kernels of csrc/selective_scan.cu) and on the
+Triton one (kernels/triton/selective_scan.py, COMPLEX) against a float64 numpy recurrence with a
+hand-written adjoint, itself checked against central differences.
 
 mamba_ssm's convention: A complex [dim, dstate]; fixed B/C complex [dim, dstate]; input-dependent
 B/C real [batch, (groups,) dstate, 2 * seqlen] holding (re, im) pairs; y = 2 Re(sum_n C h) + D u.
@@ -13,10 +14,13 @@ import numpy as np
 import pytest
 
 from paddlenlp_fused.kernels.cuda import selective_scan as cuda_scan
+from paddlenlp_fused.kernels.triton import selective_scan as scan_kernels
+from paddlenlp_fused.runtime import tensor as T
 from paddlenlp_fused.testing.numerics import as_pairs as _pairs, assert_close, assert_sum_close
 from paddlenlp_fused.testing.scan_reference import selective_scan_reference
 
 DTYPES = ("float32", "float16", "bfloat16")
+BACKENDS = ("cuda", "triton")
 
 
 def _numpy_case(batch, dim, seqlen, dstate, kind, options, rng):
@@ -74,7 +78,7 @@ def test_reference_adjoint_matches_central_differences():
 
 
 # ----------------------------------------------------------------------------------------------
-# the CUDA kernels
+# the kernels
 
 
 def _complex(provider, pairs):
@@ -124,26 +128,59 @@ def _zeros(provider, like):
     return provider.zeros(like.shape, "float32")
 
 
-def run_complex_scan(provider, dev, softplus, dout, warps=0):
-    """Forward and backward of the CUDA kernels, every output poisoned; (out, last, out_z, grads)."""
+def _triton_pairs(provider, t):
+    """A complex64 tensor, or an input-dependent B/C's [.., 2 seqlen] (re, im) pairs, as the Triton
+    launchers take them: float pairs along a trailing axis of stride 1 (copied where a strided view
+    has none, as the op's contiguous inputs always have)."""
+    if "complex" in str(t.dtype):
+        return provider.torch.view_as_real(t) if provider.name == "torch" else provider.paddle.as_real(t)
+    pairs = t.reshape(list(t.shape[:-1]) + [t.shape[-1] // 2, 2])
+    return pairs if T.strides(pairs)[-1] == 1 else pairs.contiguous()
+
+
+def run_complex_scan(provider, dev, softplus, dout, backend="cuda", deterministic=False, **options):
+    """Forward and backward of ``backend``'s kernels (``options``: their tile options; ``deterministic``:
+    Triton's partials), every output poisoned; (out, last, out_z, grads), complex ones complex64."""
     u = dev["u"]
     batch, dim, seqlen = u.shape
     dstate = dev["A"].shape[1]
-    plan = cuda_scan.scan_plan(seqlen)
+    kernels = cuda_scan if backend == "cuda" else scan_kernels
+    plan = kernels.scan_plan(seqlen)
     dtype = str(u.dtype).split(".")[-1]
-    out, last = provider.poisoned(u.shape, dtype), _poisoned(provider, (batch, dim, dstate), True)
-    states = _poisoned(provider, cuda_scan.states_shape(batch, dim, dstate, plan), True)
-    args = [dev[k] for k in ("u", "delta", "A", "B", "C")]
-    cuda_scan.selective_scan_fwd(*args, out, dev["D"], dev["z"], dev["delta_bias"], states, last,
-                                 delta_softplus=softplus, plan=plan, warps=warps)
+    out = provider.poisoned(u.shape, dtype)
+    if backend == "cuda":
+        A, B, C = dev["A"], dev["B"], dev["C"]
+        last = _poisoned(provider, (batch, dim, dstate), True)
+        states = _poisoned(provider, cuda_scan.states_shape(batch, dim, dstate, plan), True)
+        work = None
+    else:
+        A, B, C = (_triton_pairs(provider, dev[k]) for k in ("A", "B", "C"))
+        last = provider.poisoned((batch, dim, dstate, 2), "float32")
+        states = provider.poisoned(scan_kernels.states_shape(batch, dim, dstate, plan, True), "float32")
+        work = provider.poisoned(scan_kernels.workspace_shape(batch, dim, dstate, plan, True), "float32")
+    args = [u, dev["delta"], A, B, C]
+    kernels.selective_scan_fwd(*args, out, dev["D"], dev["z"], dev["delta_bias"], states, last,
+                               delta_softplus=softplus, plan=plan, **options)
     du, ddelta = provider.poisoned(u.shape, dtype), provider.poisoned(u.shape, dtype)
     dz = provider.poisoned(u.shape, dtype) if dev["z"] is not None else None
     out_z = provider.poisoned(u.shape, dtype) if dev["z"] is not None else None
-    acc = {k: None if dev[k] is None else _zeros(provider, dev[k]) for k in ("A", "B", "C", "D", "delta_bias")}
-    cuda_scan.selective_scan_bwd(*args, dout, states, None, du, ddelta, acc["A"], acc["B"], acc["C"], dev["D"],
-                                 dev["z"], dev["delta_bias"], acc["D"], dz, acc["delta_bias"], out_z,
-                                 delta_softplus=softplus, plan=plan, warps=warps)
+    if backend == "cuda":
+        acc = {k: None if dev[k] is None else _zeros(provider, dev[k]) for k in ("A", "B", "C", "D", "delta_bias")}
+    else:
+        acc = {k: provider.zeros(t.shape, "float32") for k, t in (("A", A), ("B", B), ("C", C))}
+        acc.update({k: None if dev[k] is None else provider.zeros(dev[k].shape, "float32")
+                    for k in ("D", "delta_bias")})
+    if deterministic:
+        layout = scan_kernels.bwd_partials_layout(u, A, B, C, dev["D"], dev["delta_bias"], plan, **options)
+        options = dict(options, partials=provider.poisoned((layout["numel"],), "float32"))
+    kernels.selective_scan_bwd(*args, dout, states, work, du, ddelta, acc["A"], acc["B"], acc["C"], dev["D"],
+                               dev["z"], dev["delta_bias"], acc["D"], dz, acc["delta_bias"], out_z,
+                               delta_softplus=softplus, plan=plan, **options)
     provider.synchronize()
+    if backend == "triton":  # back from pairs: complex64, input-dependent dB/dC [.., 2 seqlen]
+        last = _complex(provider, last)
+        for k in ("A", "B", "C"):
+            acc[k] = _complex(provider, acc[k]) if dev[k].ndim == 2 else acc[k].reshape(dev[k].shape)
     return out, last, out_z, dict(du=du, ddelta=ddelta, dA=acc["A"], dB=acc["B"], dC=acc["C"], dD=acc["D"],
                                   dz=dz, ddelta_bias=acc["delta_bias"])
 
@@ -180,20 +217,23 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_complex_scan_fwd_bwd_match_float64(provider, shape, dtype):
+def test_complex_scan_fwd_bwd_match_float64(provider, shape, dtype, backend):
     batch, dim, seqlen, dstate, kind, options = shape
     rng = np.random.default_rng(hash((shape, dtype)) % 2**32)
     dev, ref_in = _device_case(provider, _numpy_case(batch, dim, seqlen, dstate, kind, options, rng), dtype)
     dout = provider.randn((batch, dim, seqlen), dtype)
-    results = run_complex_scan(provider, dev, options, dout)
+    results = run_complex_scan(provider, dev, options, dout, backend)
     check_complex_scan(provider, ref_in, options, dout, results, dtype)
 
 
-def test_complex_scan_strided_inputs(provider):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_complex_scan_strided_inputs(provider, backend):
     """u, delta, z, dout as [b, l, d] memory viewed as [b, d, l]; B, C pairs as [b, 2 l, n] viewed as
-    [b, n, 2 l]; A as the transpose of a [n, d] tensor (element-wise loads throughout)."""
+    [b, n, 2 l] (Triton takes them as contiguous pairs, as the op passes them); A as the transpose of a
+    [n, d] tensor (element-wise loads throughout)."""
     batch, dim, seqlen, dstate, dtype = 2, 24, 333, 16, "bfloat16"
     rng = np.random.default_rng(7)
     dev, ref_in = _device_case(provider, _numpy_case(batch, dim, seqlen, dstate, "variable", True, rng), dtype)
@@ -201,29 +241,49 @@ def test_complex_scan_strided_inputs(provider):
         dev[k] = dev[k].transpose(1, 2).contiguous().transpose(1, 2)
     dev["A"] = dev["A"].transpose(0, 1).contiguous().transpose(0, 1)
     dout = provider.randn((batch, seqlen, dim), dtype).transpose(1, 2)
-    results = run_complex_scan(provider, dev, True, dout)
+    results = run_complex_scan(provider, dev, True, dout, backend)
     check_complex_scan(provider, ref_in, True, dout, results, dtype)
 
 
-@pytest.mark.parametrize("warps", [1, 2, 8])
-def test_complex_scan_block_sizes(provider, warps):
-    """Dims a block other than the defaults (8 is capped at 4 in the complex backward)."""
+@pytest.mark.parametrize("backend,options", [("cuda", dict(warps=w)) for w in (1, 2, 8)] +
+                         [("triton", dict(block_d=b)) for b in (4, 64)], ids=str)
+def test_complex_scan_block_sizes(provider, backend, options):
+    """Dims a block other than the defaults (CUDA: 8 warps is capped at 4 in the complex backward;
+    Triton: blocks of 4 dims, and of 64, past dim)."""
     batch, dim, seqlen, dstate, dtype = 2, 40, 600, 16, "float32"
-    rng = np.random.default_rng(warps)
+    rng = np.random.default_rng(sorted(options.values())[0])
     dev, ref_in = _device_case(provider, _numpy_case(batch, dim, seqlen, dstate, "variable", True, rng), dtype)
     dout = provider.randn((batch, dim, seqlen), dtype)
-    results = run_complex_scan(provider, dev, True, dout, warps=warps)
+    results = run_complex_scan(provider, dev, True, dout, backend, **options)
     check_complex_scan(provider, ref_in, True, dout, results, dtype)
 
 
-def test_complex_scan_long_sequence(provider):
-    """seqlen 8192 (32 backward chunks), bf16, every option."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_complex_scan_long_sequence(provider, backend):
+    """seqlen 8192 (32 CUDA backward chunks, 11 Triton segments), bf16, every option."""
     batch, dim, seqlen, dstate, dtype = 1, 16, 8192, 16, "bfloat16"
     rng = np.random.default_rng(3)
     dev, ref_in = _device_case(provider, _numpy_case(batch, dim, seqlen, dstate, "grouped", True, rng), dtype)
     dout = provider.randn((batch, dim, seqlen), dtype)
-    results = run_complex_scan(provider, dev, True, dout)
+    results = run_complex_scan(provider, dev, True, dout, backend)
     check_complex_scan(provider, ref_in, True, dout, results, dtype)
+
+
+@pytest.mark.parametrize("kind", ("variable", "fixed", "grouped"))
+def test_triton_complex_scan_deterministic_bit_identical(provider, kind):
+    """Triton's partials path with complex A (pairs in every per-program slot): several programs add
+    into every accumulated gradient (4 batch rows; blocks of 4 dims, 3 of a group); within float64's
+    bounds, and two runs bit-identical in every gradient."""
+    batch, dim, seqlen, dstate, dtype = 4, 48, 777, 8, "bfloat16"
+    rng = np.random.default_rng(len(kind))
+    dev, ref_in = _device_case(provider, _numpy_case(batch, dim, seqlen, dstate, kind, True, rng), dtype)
+    dout = provider.randn((batch, dim, seqlen), dtype)
+    runs = [run_complex_scan(provider, dev, True, dout, "triton", deterministic=True, block_d=4) for _ in range(2)]
+    check_complex_scan(provider, ref_in, True, dout, runs[0], dtype)
+    for name, g in runs[0][3].items():
+        if g is not None:
+            assert np.array_equal(_to_numpy(provider, g), _to_numpy(provider, runs[1][3][name])), \
+                f"{name}: two deterministic runs differ"
 
 
 def test_complex_launcher_refuses_mismatched_kinds(provider):
