@@ -19,6 +19,7 @@ block does, and it spares the recomputing GEMM and the elementwise passes of ``g
 
 from __future__ import annotations
 
+import numpy as np
 import paddle
 import paddle.nn.functional as F
 
@@ -76,14 +77,19 @@ def _softcapped(a, softcap):
     return a if softcap is None else softcap * paddle.tanh(a / softcap)
 
 
-def check_labels(labels, vocab_total: int, ignore_index: int) -> None:
-    """ValueError unless every label is ``ignore_index`` or in ``[0, vocab_total)`` (host sync)."""
-    lab = labels.reshape([-1]).numpy()  # one host copy of the labels: cheaper than a chain of Paddle ops
-    bad = (lab != ignore_index) & ((lab < 0) | (lab >= vocab_total))
+def check_labels(labels, vocab_total: int, ignore_index: int) -> int:
+    """ValueError unless every label is ``ignore_index`` or in ``[0, vocab_total)`` (host sync); returns
+    how many labels are not ``ignore_index``."""
+    lab = labels.numpy().reshape(-1)  # one host copy of the labels: cheaper than a chain of Paddle ops
+    if lab.size and 0 <= lab.min() and lab.max() < vocab_total:  # all in range: only the count is left
+        return lab.size - (int(np.count_nonzero(lab == ignore_index)) if 0 <= ignore_index < vocab_total else 0)
+    labelled = lab != ignore_index
+    bad = labelled & ((lab < 0) | (lab >= vocab_total))
     if bad.any():
         first = int(lab[bad.argmax()])
         raise ValueError(f"labels: expected values in [0, {vocab_total}) or ignore_index={ignore_index}, "
                          f"got {first}")
+    return int(np.count_nonzero(labelled))
 
 
 def lse_stats_ref(hidden, weight, labels, bias=None, *, transpose_y: bool = True, vocab_start: int = 0,
