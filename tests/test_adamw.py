@@ -7,7 +7,7 @@ import numpy as np
 import paddle
 import pytest
 
-from paddlenlp_fused.kernels.triton.adamw import (BLOCK, ITERS, adamw_multi_tensor, all_aligned, hyper_rows,
+from paddlenlp_fused.kernels.triton.adamw import (BLOCK, ITERS, adamw_multi_tensor, all_aligned, hyper_rows, hyper_table,
                                                   offsets_table, plan_chunks, step_seed, table_aligned)
 from paddlenlp_fused.optimizer.adamw import STEP_KEY, FusedAdamW
 from paddlenlp_fused.reference.adamw import _nearest_bits, adamw_multi_tensor_ref, adamw_step_ref, stochastic_round
@@ -197,6 +197,30 @@ def _adamw64(p, g, m, v, w, lr, wd, b1, b2, eps, b1p, b2p):
     v = b2 * v + (1 - b2) * g * g
     return w - lr / (1 - b1p) * m / (np.sqrt(v) / np.sqrt(1 - b2p) + eps), m, v
 
+
+def test_hyper_table_and_beta_powers():
+    """The optimizer's per-step scalars: ``hyper_table`` of per-tensor rows equals ``hyper_rows`` of the
+    same columns bit for bit (fresh random values, float64 inputs taken as float32), and after 3 steps
+    each beta-pow accumulator is beta^4 as repeated float32 products (Paddle's accumulators)."""
+    rng = np.random.default_rng(29)
+    n = 13
+    columns = [rng.uniform(1e-4, 1e-1, n), rng.choice([0.0, 0.01, 0.1], n), rng.uniform(0.5, 0.99, n),
+               rng.uniform(0.9, 0.99999, n), rng.choice([1e-8, 1e-6], n), rng.uniform(0.0, 0.99, n),
+               rng.uniform(0.0, 0.999, n)]
+    want = hyper_rows(*columns)
+    np.testing.assert_array_equal(hyper_table(np.stack(columns, axis=-1)).view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(hyper_table(np.stack(columns, axis=-1)[4]).view(np.uint32), want[4].view(np.uint32))
+    model = _mlp()
+    x, y = _data()
+    opt = FusedAdamW(1e-2, beta1=0.85, beta2=0.995, parameters=model.parameters(), backend="reference")
+    _train(model, opt, x, y, 3)
+    want1, want2 = np.float32(0.85), np.float32(0.995)
+    for _ in range(3):
+        want1, want2 = want1 * np.float32(0.85), want2 * np.float32(0.995)
+    state = opt.state_dict()
+    for key, want_pow in (("beta1_pow_acc", want1), ("beta2_pow_acc", want2)):
+        got = [v.numpy()[0] for k, v in state.items() if key in k]
+        assert got and all(g.view(np.uint32) == want_pow.view(np.uint32) for g in got), (key, got, want_pow)
 
 def _storage_rounding_err(x64, dtype):
     """The relative error of storing the exact float64 result in ``dtype``: more than the unit

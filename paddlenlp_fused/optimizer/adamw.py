@@ -32,7 +32,7 @@ from paddle.nn.clip import GradientClipBase
 from paddle.optimizer import Optimizer
 from paddle.optimizer.lr import LambdaDecay, LRScheduler
 
-from ..kernels.triton.adamw import (MOMENT_DTYPES, adamw_multi_tensor, check_group, hyper_rows, offsets_table,
+from ..kernels.triton.adamw import (MOMENT_DTYPES, adamw_multi_tensor, check_group, hyper_table, offsets_table,
                                     plan_chunks, step_seed, table_aligned)
 from ..ops._checks import check_eps
 from ..reference.adamw import HostGroup, adamw_multi_tensor_ref
@@ -355,7 +355,7 @@ class FusedAdamW(Optimizer):
         lr = float(self.get_lr())
         states, hyper = [], []
         for param, grad, group in work:
-            if list(grad.shape) != list(param.shape):
+            if grad.shape != param.shape:
                 raise ValueError(f"grad of {param.name}: expected shape {list(param.shape)}, got {list(grad.shape)}")
             if not param.is_contiguous():
                 raise ValueError(f"parameters: {param.name} must be contiguous, got strides {list(param.strides)}")
@@ -367,16 +367,17 @@ class FusedAdamW(Optimizer):
             states.append(state)
             hyper.append((param_lr, group["weight_decay"] if decays else 0.0, group["beta1"], group["beta2"],
                           group["epsilon"], state.beta1_pow, state.beta2_pow))
-        rows = hyper_rows(*np.array(hyper, dtype=np.float64).T)
+        table = np.array(hyper, dtype=np.float32)  # the values as float32, as Paddle holds them
+        rows = hyper_table(table)
         backend = resolve_backend("FusedAdamW", self._backend, T.device_kind(work[0][0]),
                                   implemented=IMPLEMENTED)
         if backend == "reference":
             self._step_reference(work, states, rows)
         else:
             self._step_triton(work, states, rows)
-        for (_, _, group), state in zip(work, states):
-            state.beta1_pow = np.float32(state.beta1_pow * np.float32(group["beta1"]))
-            state.beta2_pow = np.float32(state.beta2_pow * np.float32(group["beta2"]))
+        # beta^t of the next step, float32 products as Paddle's accumulators
+        for state, beta1_pow, beta2_pow in zip(states, table[:, 5] * table[:, 2], table[:, 6] * table[:, 3]):
+            state.beta1_pow, state.beta2_pow = beta1_pow, beta2_pow
 
     @staticmethod
     def _dtype_groups(work, states) -> Dict[tuple, List[int]]:
