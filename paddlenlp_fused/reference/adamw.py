@@ -31,7 +31,6 @@ _SIXTEEN_BIT = ("float16", "bfloat16")
 _BF16_NAN = np.uint16(0x7FC0)
 _HOST_DTYPES = {"float32": np.dtype(np.float32), "int32": np.dtype(np.int32), "float16": np.dtype(np.uint16),
                 "bfloat16": np.dtype(np.uint16)}
-_LIST_NAMES = ("params", "grads", "exp_avgs", "exp_avg_sqs", "masters")
 
 
 def _dtype_name(t) -> str:
@@ -54,14 +53,6 @@ def _flat(t: paddle.Tensor, dtype: str) -> np.ndarray:
     if n == 0:
         return np.empty(0, np_dtype)
     return np.frombuffer((ctypes.c_char * (n * np_dtype.itemsize)).from_address(t.data_ptr()), np_dtype)
-
-
-def _to_float32(a: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":
-        return (a.astype(np.uint32) << 16).view(np.float32)
-    if dtype == "float16":
-        return a.view(np.float16).astype(np.float32)
-    return a.astype(np.float32, copy=False)
 
 
 def _nearest_bits(x: np.ndarray, dtype: str, out: Optional[np.ndarray] = None) -> np.ndarray:

@@ -23,6 +23,8 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from ._common import float32
+
 DEFAULT_BLOCK_ELEMENTS = 2**24  # logits held at once (64 MB of fp32)
 
 
@@ -37,18 +39,14 @@ def fits_one_block(n_tok: int, V: int) -> bool:
     return n_tok * V <= DEFAULT_BLOCK_ELEMENTS
 
 
-def _float32(x):
-    return x if x.dtype == paddle.float32 else x.astype("float32")
-
-
 def loss_and_lse_ref(hidden, weight, labels, bias=None, *, transpose_y: bool = True, ignore_index: int = -100,
                      label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
                      need_lse: bool = False):
     """(per-token fp32 loss ``[T]``, fp32 lse ``[T]`` or None unless needed) over the whole vocabulary,
     differentiable through Paddle's autograd; the same loss as ``lse_stats_ref`` + ``token_loss_ref``."""
-    a = paddle.matmul(_float32(hidden), _float32(weight), transpose_y=transpose_y)
+    a = paddle.matmul(float32(hidden), float32(weight), transpose_y=transpose_y)
     if bias is not None:
-        a = a + _float32(bias)
+        a = a + float32(bias)
     s = _softcapped(a, softcap)
     # the fused softmax-with-cross-entropy kernel: lse - s_y, and 0 (no gradient) for ignored tokens
     loss = F.cross_entropy(s, labels if labels.dtype == paddle.int64 else labels.astype("int64"),
