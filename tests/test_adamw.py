@@ -7,10 +7,10 @@ import numpy as np
 import paddle
 import pytest
 
-from paddlenlp_fused.kernels.triton.adamw import (BLOCK, ITERS, adamw_multi_tensor, all_aligned, hyper_rows,
+from paddlenlp_fused.kernels.triton.adamw import (BLOCK, ITERS, adamw_multi_tensor, all_aligned, hyper_rows, hyper_table,
                                                   offsets_table, plan_chunks, step_seed, table_aligned)
 from paddlenlp_fused.optimizer.adamw import STEP_KEY, FusedAdamW
-from paddlenlp_fused.reference.adamw import adamw_multi_tensor_ref, adamw_step_ref, stochastic_round
+from paddlenlp_fused.reference.adamw import _nearest_bits, adamw_multi_tensor_ref, adamw_step_ref, stochastic_round
 from paddlenlp_fused.runtime.triton_paddle import triton_args
 from paddlenlp_fused.runtime.backend import BackendUnavailableError
 from paddlenlp_fused.testing.numerics import assert_close, rel_err
@@ -198,6 +198,30 @@ def _adamw64(p, g, m, v, w, lr, wd, b1, b2, eps, b1p, b2p):
     return w - lr / (1 - b1p) * m / (np.sqrt(v) / np.sqrt(1 - b2p) + eps), m, v
 
 
+def test_hyper_table_and_beta_powers():
+    """The optimizer's per-step scalars: ``hyper_table`` of per-tensor rows equals ``hyper_rows`` of the
+    same columns bit for bit (fresh random values, float64 inputs taken as float32), and after 3 steps
+    each beta-pow accumulator is beta^4 as repeated float32 products (Paddle's accumulators)."""
+    rng = np.random.default_rng(29)
+    n = 13
+    columns = [rng.uniform(1e-4, 1e-1, n), rng.choice([0.0, 0.01, 0.1], n), rng.uniform(0.5, 0.99, n),
+               rng.uniform(0.9, 0.99999, n), rng.choice([1e-8, 1e-6], n), rng.uniform(0.0, 0.99, n),
+               rng.uniform(0.0, 0.999, n)]
+    want = hyper_rows(*columns)
+    np.testing.assert_array_equal(hyper_table(np.stack(columns, axis=-1)).view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(hyper_table(np.stack(columns, axis=-1)[4]).view(np.uint32), want[4].view(np.uint32))
+    model = _mlp()
+    x, y = _data()
+    opt = FusedAdamW(1e-2, beta1=0.85, beta2=0.995, parameters=model.parameters(), backend="reference")
+    _train(model, opt, x, y, 3)
+    want1, want2 = np.float32(0.85), np.float32(0.995)
+    for _ in range(3):
+        want1, want2 = want1 * np.float32(0.85), want2 * np.float32(0.995)
+    state = opt.state_dict()
+    for key, want_pow in (("beta1_pow_acc", want1), ("beta2_pow_acc", want2)):
+        got = [v.numpy()[0] for k, v in state.items() if key in k]
+        assert got and all(g.view(np.uint32) == want_pow.view(np.uint32) for g in got), (key, got, want_pow)
+
 def _storage_rounding_err(x64, dtype):
     """The relative error of storing the exact float64 result in ``dtype``: more than the unit
     roundoff where float16 values are subnormal (second moments of small gradients, below 6.1e-5)."""
@@ -303,6 +327,23 @@ def test_reference_stochastic_round_edges():
     assert np.isfinite(out[6]) and out[7] <= 0
 
 
+
+def test_reference_nearest_bfloat16_matches_its_definition():
+    """The reference's round-to-nearest-even to bfloat16 (16-bit params from fp32 masters, moments
+    without stochastic rounding) against the rule on the bit patterns in int64: up when the dropped
+    16 bits exceed half an ulp, or equal it and the kept part is odd; NaN to 0x7FC0. Random values,
+    exact ties both ways, the largest finite values (rounding to inf), inf, subnormals, zeros."""
+    rng = np.random.default_rng(17)
+    x = (rng.uniform(-1, 1, 30001) * np.exp(rng.uniform(np.log(1e-40), np.log(3e38), 30001))).astype(np.float32)
+    ties = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0xBF818000, 0x7F7F8000, 0x7F7EFFFF, 0x7F7FFFFF,
+                     0x00008000, 0x00018000, 0x7F800000, 0xFF800000, 0x00000000, 0x80000000, 0x7FC00001,
+                     0xFFFFFFFF], np.uint32).view(np.float32)
+    x = np.concatenate([x, ties])
+    bits = x.view(np.uint32).astype(np.int64)
+    kept, dropped = bits >> 16, bits & 0xFFFF
+    want = kept + ((dropped > 0x8000) | ((dropped == 0x8000) & (kept & 1 == 1)))
+    want = np.where(np.isnan(x), 0x7FC0, want)
+    np.testing.assert_array_equal(_nearest_bits(x, "bfloat16").astype(np.int64), want)
 
 def _stochastic_round64(x, dtype, r16):
     """The reference's stochastic rounding from its definition, in float64: the representable
@@ -460,6 +501,42 @@ def test_reference_optimizer_equals_kernel_on_groups(moment_dtype):
         for a, b in zip(got, want):
             np.testing.assert_array_equal(a, b)
 
+
+def test_reference_optimizer_follows_changing_groups():
+    """The reference path keeps each dtype group's checked tensors and numpy views from step to step.
+    A step where one parameter has no gradient (the group's members change) and one after a
+    parameter's memory moved (``_share_buffer_to``) update every tensor as the Triton kernel does,
+    bit for bit (round-to-nearest): fp32, bf16 and fp16 parameters (master weights), odd sizes and
+    tensors across the reference's blocks of 2^15 elements."""
+    rng = np.random.default_rng(23)
+    specs = [((3, 7), "float32"), ((40001,), "float32"), ((129, 333), "bfloat16"), ((5,), "float16"),
+             ((1,), "float32"), ((33000,), "bfloat16"), ((70,), "float16")]
+    values = [rng.standard_normal(shape).astype(np.float32) for shape, _ in specs]
+    coefs = [[rng.standard_normal(shape).astype(np.float32) for shape, _ in specs] for _ in range(4)]
+    results = {}
+    for backend in ("triton", "reference"):
+        with paddle.utils.unique_name.guard():  # the same names (state-dict keys) in both runs
+            params = [paddle.create_parameter(list(shape), dtype, default_initializer=paddle.nn.initializer.Constant(0.0))
+                      for shape, dtype in specs]
+        for param, value in zip(params, values):
+            param.set_value(paddle.to_tensor(value).astype(param.dtype))
+        opt = FusedAdamW(1e-2, parameters=params, weight_decay=0.1, moment_dtype="bfloat16",
+                         stochastic_rounding=False, backend=backend)
+        for step in range(4):
+            if step == 3:  # params[2] now lives in new memory, its values unchanged
+                params[2].detach().clone()._share_buffer_to(params[2])
+            left_out = 1 if step == 2 else None  # no gradient for params[1] in this step
+            loss = sum((param.astype("float32") * paddle.to_tensor(coef)).sum()
+                       for i, (param, coef) in enumerate(zip(params, coefs[step])) if i != left_out)
+            loss.backward()
+            opt.step()
+            opt.clear_grad(set_to_zero=False)
+        state = opt.state_dict()
+        results[backend] = [to64(p) for p in params] + [to64(state[k]) for k in sorted(state)
+                                                          if isinstance(state[k], paddle.Tensor) and k != STEP_KEY]
+    assert len(results["triton"]) == len(results["reference"])
+    for got, want in zip(results["reference"], results["triton"]):
+        np.testing.assert_array_equal(got, want)
 
 def test_reference_state_dict_round_trip_with_groups(tmp_path):
     """The reference path with stochastic rounding over several dtype groups: save after 3 steps,

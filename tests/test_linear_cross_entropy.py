@@ -229,6 +229,18 @@ def test_labels_out_of_range(backend, monkeypatch):
             linear_cross_entropy(hidden, weight, bad, backend=backend, **extra)
 
 
+def test_reference_label_check_counts_the_labelled_tokens():
+    """The reference reads the labels on the host once: ``check_labels`` returns the number of labels
+    that are not ignore_index, the mean's divisor (ignore_index outside and inside [0, V), none
+    ignored, all ignored, int32 and 2-D labels)."""
+    rng = np.random.default_rng(3)
+    for ignore_index, dtype, frac in ((-100, "int64", 0.3), (0, "int64", 0.3), (7, "int32", 0.3), (-100, "int64", 0.0),
+                                      (5, "int32", 1.0)):
+        labels = rng.integers(0, 40, (6, 9))
+        labels[rng.random((6, 9)) < frac] = ignore_index
+        got = ref.check_labels(paddle.to_tensor(labels.astype(dtype)), 40, ignore_index)
+        assert got == np.count_nonzero(labels != ignore_index), (ignore_index, dtype, frac)
+
 def test_gradient_filter():
     hidden, weight, bias, labels = _inputs("bfloat16", (40,), 32, 150, False, bias=True)
     exact = paddle.grad(linear_cross_entropy(hidden, weight, labels, bias, transpose_y=False, backend="triton",

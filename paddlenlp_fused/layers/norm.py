@@ -51,17 +51,22 @@ class FusedLayerNorm(nn.Layer):
 
     def forward(self, x, residual=None):
         trailing = self._normalized_shape
-        if list(x.shape[len(x.shape) - len(trailing):]) != trailing:
-            raise ValueError(f"x: expected trailing axes {trailing}, got shape {list(x.shape)}")
-        flat = list(x.shape[:len(x.shape) - len(trailing)]) + [math.prod(trailing)]
+        shape = list(x.shape)
+        if shape[len(shape) - len(trailing):] != trailing:
+            raise ValueError(f"x: expected trailing axes {trailing}, got shape {shape}")
+        folded = len(trailing) > 1  # several normalised axes: one for the op, then back
+        if folded:
+            flat = shape[:len(shape) - len(trailing)] + [math.prod(trailing)]
+            x = x.reshape(flat)
+            residual = None if residual is None else residual.reshape(flat)
         weight = self.weight if self.weight is not None else self._unit_weight
-        out = layer_norm_fn(x.reshape(flat), weight, self.bias,
-                            None if residual is None else residual.reshape(flat), eps=self._epsilon,
-                            prenorm=residual is not None, residual_in_fp32=self._residual_in_fp32,
-                            backend=self._backend)
+        out = layer_norm_fn(x, weight, self.bias, residual, eps=self._epsilon, prenorm=residual is not None,
+                            residual_in_fp32=self._residual_in_fp32, backend=self._backend)
+        if not folded:
+            return out
         if residual is None:
-            return out.reshape(x.shape)
-        return out[0].reshape(x.shape), out[1].reshape(x.shape)
+            return out.reshape(shape)
+        return out[0].reshape(shape), out[1].reshape(shape)
 
     def extra_repr(self) -> str:
         return f"normalized_shape={self._normalized_shape}, epsilon={self._epsilon}, backend={self._backend}"

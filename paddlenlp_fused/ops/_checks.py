@@ -25,7 +25,8 @@ def check_tensor(name: str, t, float_dtypes=FLOAT_DTYPES, min_ndim: int = 1) -> 
 def check_eps(name: str, eps) -> float:
     """``eps`` (a norm's variance epsilon) as a float: a real number, finite and >= 0. NaN or inf
     would silently turn every output into NaN or zeros."""
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+    # (a plain float first: isinstance against numbers.Real is slow, and the ops check per call)
+    if type(eps) is not float and (isinstance(eps, bool) or not isinstance(eps, numbers.Real)):
         raise TypeError(f"{name}: expected a float, got {type(eps).__name__}")
     value = float(eps)
     if not (math.isfinite(value) and value >= 0.0):
@@ -39,4 +40,5 @@ def contiguous(t):
 
 
 def device_of(t) -> str:
-    return T.device_kind(t)
+    """'gpu' or 'cpu' for a Paddle tensor."""
+    return "gpu" if t.place.is_gpu_place() else "cpu"

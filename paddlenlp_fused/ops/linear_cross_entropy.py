@@ -493,8 +493,8 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
     labels1d = labels_eff.reshape([-1])
     hidden2d, labels1d = vocab_parallel.gather_inputs(hidden2d, labels1d, pg, sequence_parallel)
     shard = vocab_parallel.shard(pg, V)
-    if chosen == "reference":
-        ref.check_labels(labels1d, shard.total, ignore_index)
+    # the reference reads the labels on the host anyway: it counts the labelled tokens there
+    n_labelled = ref.check_labels(labels1d, shard.total, ignore_index) if chosen == "reference" else None
     if chosen == "cuda":
         weight = contiguous(weight)
     opts = _Options(chosen, transpose_y, int(ignore_index), float(label_smoothing), float(z_loss),
@@ -513,8 +513,12 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
     else:
         loss_tok, lse = LinearCrossEntropyFunction.apply(hidden2d, weight, bias, labels1d, opts)
     if reduction == "mean":
-        n_valid = (labels1d != ignore_index).astype("float32").sum()
-        loss = loss_tok.sum() / paddle.clip(n_valid, min=1.0)
+        total = loss_tok.sum()
+        if n_labelled is None:
+            n_valid = paddle.clip((labels1d != ignore_index).astype("float32").sum(), min=1.0)
+        else:
+            n_valid = paddle.full_like(total, max(n_labelled, 1))
+        loss = total / n_valid
     elif reduction == "sum":
         loss = loss_tok.sum()
     else:

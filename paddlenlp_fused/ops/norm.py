@@ -347,8 +347,9 @@ def layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=N
             return f"weight dtype {T.dtype_name(weight)} is neither float32 nor x's dtype"
         return None
 
-    chosen = resolve_backend(op, backend, device_of(x), implemented=("triton", "cuda", "reference"),
-                             unsupported=unsupported, prefer=auto_order(N))
+    device = device_of(x)
+    chosen = resolve_backend(op, backend, device, implemented=("triton", "cuda", "reference"),
+                             unsupported=unsupported, prefer=auto_order(N) if device == "gpu" else None)
     if chosen != "reference" and x.size:  # (empty tensors: nothing to launch, the reference's path)
         if dropout_p > 0 and seed is None:  # Triton's Philox keep-mask, written by the kernel when asked
             seed = _draw_seed()

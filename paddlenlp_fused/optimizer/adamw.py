@@ -32,10 +32,10 @@ from paddle.nn.clip import GradientClipBase
 from paddle.optimizer import Optimizer
 from paddle.optimizer.lr import LambdaDecay, LRScheduler
 
-from ..kernels.triton.adamw import (MOMENT_DTYPES, adamw_multi_tensor, check_group, hyper_rows, offsets_table,
+from ..kernels.triton.adamw import (MOMENT_DTYPES, adamw_multi_tensor, check_group, hyper_table, offsets_table,
                                     plan_chunks, step_seed, table_aligned)
 from ..ops._checks import check_eps
-from ..reference.adamw import adamw_multi_tensor_ref
+from ..reference.adamw import HostGroup, adamw_multi_tensor_ref
 from ..runtime import tensor as T
 from ..runtime.backend import BACKENDS, BackendUnavailableError, resolve_backend
 from ..runtime.triton_paddle import triton_args, triton_scoped
@@ -168,6 +168,7 @@ class FusedAdamW(Optimizer):
         self._seed = int(paddle.base.core.default_cpu_generator().initial_seed()) & 0xFFFFFFFF
         self._chunk_tables: Dict[tuple, tuple] = {}
         self._offset_tables: Dict[tuple, tuple] = {}
+        self._host_groups: Dict[tuple, HostGroup] = {}
         for param in self._all_params():
             if T.dtype_name(param) not in T.FLOAT_DTYPES:
                 raise TypeError(f"parameters: expected dtypes in {list(T.FLOAT_DTYPES)}, got {T.dtype_name(param)} "
@@ -354,7 +355,7 @@ class FusedAdamW(Optimizer):
         lr = float(self.get_lr())
         states, hyper = [], []
         for param, grad, group in work:
-            if list(grad.shape) != list(param.shape):
+            if grad.shape != param.shape:
                 raise ValueError(f"grad of {param.name}: expected shape {list(param.shape)}, got {list(grad.shape)}")
             if not param.is_contiguous():
                 raise ValueError(f"parameters: {param.name} must be contiguous, got strides {list(param.strides)}")
@@ -366,16 +367,17 @@ class FusedAdamW(Optimizer):
             states.append(state)
             hyper.append((param_lr, group["weight_decay"] if decays else 0.0, group["beta1"], group["beta2"],
                           group["epsilon"], state.beta1_pow, state.beta2_pow))
-        rows = hyper_rows(*np.array(hyper, dtype=np.float64).T)
+        table = np.array(hyper, dtype=np.float32)  # the values as float32, as Paddle holds them
+        rows = hyper_table(table)
         backend = resolve_backend("FusedAdamW", self._backend, T.device_kind(work[0][0]),
                                   implemented=IMPLEMENTED)
         if backend == "reference":
             self._step_reference(work, states, rows)
         else:
             self._step_triton(work, states, rows)
-        for (_, _, group), state in zip(work, states):
-            state.beta1_pow = np.float32(state.beta1_pow * np.float32(group["beta1"]))
-            state.beta2_pow = np.float32(state.beta2_pow * np.float32(group["beta2"]))
+        # beta^t of the next step, float32 products as Paddle's accumulators
+        for state, beta1_pow, beta2_pow in zip(states, table[:, 5] * table[:, 2], table[:, 6] * table[:, 3]):
+            state.beta1_pow, state.beta2_pow = beta1_pow, beta2_pow
 
     @staticmethod
     def _dtype_groups(work, states) -> Dict[tuple, List[int]]:
@@ -386,12 +388,24 @@ class FusedAdamW(Optimizer):
         return groups
 
     def _step_reference(self, work, states, rows) -> None:
-        """One reference call per dtype group, its random streams keyed by the step and the group."""
+        """One reference call per dtype group, its random streams keyed by the step and the group. CPU
+        groups keep their ``HostGroup`` (checked tensors and their views) from step to step while it
+        still describes them."""
         for index, (kind, members) in enumerate(self._dtype_groups(work, states).items()):
-            adamw_multi_tensor_ref([work[i][0] for i in members], [work[i][1] for i in members],
-                                   [states[i].exp_avg for i in members], [states[i].exp_avg_sq for i in members],
-                                   [states[i].master for i in members] if kind[2] else None, rows[members],
-                                   self._stochastic_rounding, random_key=(self._seed, self._step_count, index))
+            params = [work[i][0] for i in members]
+            grads = [work[i][1] for i in members]
+            exp_avgs = [states[i].exp_avg for i in members]
+            exp_avg_sqs = [states[i].exp_avg_sq for i in members]
+            masters = [states[i].master for i in members] if kind[2] else None
+            random_key = (self._seed, self._step_count, index)
+            if not all(p.place.is_cpu_place() for p in params):  # through host copies
+                adamw_multi_tensor_ref(params, grads, exp_avgs, exp_avg_sqs, masters, rows[members],
+                                       self._stochastic_rounding, random_key)
+                continue
+            group = self._host_groups.get(kind)
+            if group is None or not group.describes(params, exp_avgs, exp_avg_sqs, masters):
+                group = self._host_groups[kind] = HostGroup(params, exp_avgs, exp_avg_sqs, masters)
+            group.step(grads, rows[members], self._stochastic_rounding, random_key)
 
     @triton_scoped
     def _step_triton(self, work, states, rows) -> None:

@@ -31,7 +31,6 @@ _SIXTEEN_BIT = ("float16", "bfloat16")
 _BF16_NAN = np.uint16(0x7FC0)
 _HOST_DTYPES = {"float32": np.dtype(np.float32), "int32": np.dtype(np.int32), "float16": np.dtype(np.uint16),
                 "bfloat16": np.dtype(np.uint16)}
-_LIST_NAMES = ("params", "grads", "exp_avgs", "exp_avg_sqs", "masters")
 
 
 def _dtype_name(t) -> str:
@@ -56,36 +55,54 @@ def _flat(t: paddle.Tensor, dtype: str) -> np.ndarray:
     return np.frombuffer((ctypes.c_char * (n * np_dtype.itemsize)).from_address(t.data_ptr()), np_dtype)
 
 
-def _to_float32(a: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":
-        return (a.astype(np.uint32) << 16).view(np.float32)
-    if dtype == "float16":
-        return a.view(np.float16).astype(np.float32)
-    return a.astype(np.float32, copy=False)
-
-
-def _nearest_bits(x: np.ndarray, dtype: str) -> np.ndarray:
+def _nearest_bits(x: np.ndarray, dtype: str, out: Optional[np.ndarray] = None) -> np.ndarray:
     """Bit patterns of fp32 ``x`` rounded to the 16-bit ``dtype``, to nearest even; bf16 NaN -> 0x7FC0
-    (the kernel's ``_nearest``)."""
+    (the kernel's ``_nearest``). Written into ``out`` (uint16, x's size) when given."""
+    out = np.empty(x.size, np.uint16) if out is None else out
+    if x.size == 0:
+        return out
     if dtype == "bfloat16":
+        # adding 0x7FFF plus the kept part's lowest bit carries into the kept 16 bits exactly when
+        # the dropped 16 bits round up (ties to even); uint32 passes in place (few, contiguous)
         bits = x.view(np.uint32)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-        return np.where(np.isnan(x), _BF16_NAN, rounded)
+        total = np.right_shift(bits, 16)
+        total &= 1
+        total += 0x7FFF
+        total += bits
+        total >>= 16
+        np.copyto(out, total, casting="unsafe")
+        if np.isnan(x.max()):  # (max is NaN iff x holds one)
+            out[np.isnan(x)] = _BF16_NAN
+        return out
     with np.errstate(over="ignore"):  # beyond float16's range: inf, as the kernel's cast
-        return x.astype(np.float16).view(np.uint16)
+        np.copyto(out.view(np.float16), x, casting="unsafe")
+    return out
 
 
-def _stochastic_bits(x: np.ndarray, dtype: str, r16: np.ndarray) -> np.ndarray:
+# |x| from here on (largest finite bf16's bit pattern, as float32) are _stochastic_bits' edge cases
+_BF16_EDGE = np.uint32(0x7F7F0000).view(np.float32)
+
+
+def _stochastic_bits(x: np.ndarray, dtype: str, r16: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
     """Bit patterns of fp32 ``x`` rounded to the 16-bit ``dtype``: the neighbour of larger magnitude
     ``hi`` when ``u * |hi - lo| < |x - lo|`` (``lo`` the other neighbour, ``u = r16 / 2^16``, ``r16``
-    uniform in [0, 2^16)), else ``lo``. Unbiased except where hi is inf: finite values stay finite."""
+    uniform in [0, 2^16)), else ``lo``. Unbiased except where hi is inf: finite values stay finite.
+    Written into ``out`` (uint16, x's size) when given."""
+    out = np.empty(x.size, np.uint16) if out is None else out
+    if x.size == 0:
+        return out
     if dtype == "bfloat16":
         # lo is x truncated to its 16 high bits, |hi - lo| one bf16 ulp and |x - lo| the 16 low bits
         # in units of 2^-16 of it, all exact: hi iff r16 < low bits, iff adding 0xFFFF - r16 carries
         bits = x.view(np.uint32)
-        out = ((bits + (r16 ^ 0xFFFF)) >> 16).astype(np.uint16)
-        edge = (bits & 0x7FFFFFFF) >= 0x7F7F0000  # lo the largest finite (u * inf is never < |x - lo|), inf, NaN
-        if edge.any():
+        total = np.subtract(np.uint32(0xFFFF), r16, dtype=np.uint32)
+        total += bits
+        total >>= 16
+        np.copyto(out, total, casting="unsafe")
+        # lo the largest finite (u * inf is never < |x - lo|), inf, NaN: max and min (NaN if x holds one)
+        # rule them out in two reductions
+        if not (x.max() < _BF16_EDGE and x.min() > -_BF16_EDGE):
+            edge = (bits & 0x7FFFFFFF) >= 0x7F7F0000
             out[edge] = np.where(np.isnan(x[edge]), _BF16_NAN, (bits[edge] >> 16).astype(np.uint16))
         return out
     with np.errstate(over="ignore"):  # beyond float16's range: inf, as the kernel's cast
@@ -99,7 +116,8 @@ def _stochastic_bits(x: np.ndarray, dtype: str, r16: np.ndarray) -> np.ndarray:
     u = r16.astype(np.float32) * np.float32(1.0 / 65536.0)
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf and 0 * inf at the edges compare False
         up = u * np.abs(hi - lo) < np.abs(x - lo)
-    return np.where(up, hi, lo).astype(np.float16).view(np.uint16)
+    np.copyto(out.view(np.float16), np.where(up, hi, lo), casting="unsafe")
+    return out
 
 
 def stochastic_round(x: paddle.Tensor, dtype: str, r16: paddle.Tensor) -> paddle.Tensor:
@@ -121,13 +139,12 @@ def _random16(rng: np.random.SFC64, n: int) -> np.ndarray:
     return rng.random_raw((n + 3) // 4).astype("<u8", copy=False).view("<u2")[:n]
 
 
-def _rounded(value: np.ndarray, dtype: str, rng: Optional[np.random.SFC64]) -> np.ndarray:
-    """fp32 ``value`` in ``dtype``'s storage (16-bit as bit patterns), stochastically when ``rng``."""
-    if dtype not in _SIXTEEN_BIT:
-        return value
+def _round_into(values: np.ndarray, dtype: str, rng: Optional[np.random.SFC64], out=None) -> np.ndarray:
+    """fp32 ``values`` as 16-bit ``dtype`` bit patterns (into ``out`` when given), stochastically
+    when ``rng``."""
     if rng is None:
-        return _nearest_bits(value, dtype)
-    return _stochastic_bits(value, dtype, _random16(rng, value.size))
+        return _nearest_bits(values, dtype, out)
+    return _stochastic_bits(values, dtype, _random16(rng, values.size), out)
 
 
 # Elements per pass: the temporaries stay in cache and in malloc's heap (fresh multi-megabyte arrays
@@ -154,28 +171,53 @@ def _block_pieces(sizes: Sequence[int]):
         yield pieces
 
 
-def _gather(views: Sequence[np.ndarray], pieces) -> np.ndarray:
-    """A block's values of one kind: a view where the block lies in one tensor, else a copy."""
+def _load(views: Sequence[np.ndarray], pieces, dtype: str) -> np.ndarray:
+    """A block's values of one kind in float32: where the block lies in one float32 tensor, that
+    tensor's memory itself (updating it in place updates the tensor), else a fresh array."""
     if len(pieces) == 1:
         i, start, stop = pieces[0]
-        return views[i][start:stop]
-    return np.concatenate([views[i][start:stop] for i, start, stop in pieces])
+        values = views[i][start:stop]
+    else:
+        values = np.concatenate([views[i][start:stop] for i, start, stop in pieces])
+    if dtype == "bfloat16":
+        return np.left_shift(values, 16, dtype=np.uint32).view(np.float32)
+    if dtype == "float16":
+        return values.view(np.float16).astype(np.float32)
+    return values
 
 
-def _scatter(values: np.ndarray, views: Sequence[np.ndarray], pieces) -> None:
+def _store(values: np.ndarray, views: Sequence[np.ndarray], pieces, dtype: str, rng: Optional[np.random.SFC64],
+           in_place: bool) -> None:
+    """Write a block's fp32 ``values`` into the tensors of one kind, rounded for 16-bit ``dtype``
+    (stochastically when ``rng``). ``in_place``: ``values`` is that memory already (``_load``'s)."""
+    if in_place:
+        return
+    if len(pieces) == 1:
+        i, start, stop = pieces[0]
+        if dtype in _SIXTEEN_BIT:
+            _round_into(values, dtype, rng, out=views[i][start:stop])
+        else:
+            views[i][start:stop] = values
+        return
+    if dtype in _SIXTEEN_BIT:
+        values = _round_into(values, dtype, rng)
     at = 0
     for i, start, stop in pieces:
         views[i][start:stop] = values[at:at + stop - start]
         at += stop - start
 
 
-def _block_hyper(rows: np.ndarray, pieces) -> list:
-    """The 8 scalars of the block's elements: a float32 scalar where its tensors share the value, else
-    one per element (the arithmetic is the same elementwise, so both round alike)."""
+def _block_hyper(rows: np.ndarray, shared: list, pieces) -> list:
+    """The 8 scalars of the block's elements: ``shared[k]`` where every tensor of the group has the
+    same value (float32 scalar, else None), else a scalar where the block's tensors share it, else one
+    per element (the arithmetic is the same elementwise, so all round alike)."""
+    if all(value is not None for value in shared):
+        return shared
     members = rows[[i for i, _, _ in pieces]]
     same = (members == members[0]).all(axis=0)
     counts = [stop - start for _, start, stop in pieces]
-    return [members[0, k] if same[k] else np.repeat(members[:, k], counts) for k in range(members.shape[1])]
+    return [value if value is not None else members[0, k] if same[k] else np.repeat(members[:, k], counts)
+            for k, value in enumerate(shared)]
 
 
 def _dtype_of(name: str, tensors: Sequence[paddle.Tensor]) -> str:
@@ -184,6 +226,101 @@ def _dtype_of(name: str, tensors: Sequence[paddle.Tensor]) -> str:
         raise ValueError(f"adamw_multi_tensor_ref: {name} must share one dtype, got "
                          f"{sorted({_dtype_name(t) for t in tensors})}")
     return _dtype_name(tensors[0])
+
+
+def _check_list(name: str, tensors: Sequence[paddle.Tensor], sizes: Sequence[int]) -> str:
+    """``tensors`` on the CPU, contiguous, with ``sizes`` elements each and one dtype (returned)."""
+    if not all(t.place.is_cpu_place() for t in tensors):
+        raise ValueError(f"adamw_multi_tensor_ref: {name} must be CPU tensors here (HostGroup)")
+    if any(_numel(t) != size for t, size in zip(tensors, sizes)):
+        raise ValueError(f"adamw_multi_tensor_ref: {name} must have the params' numbers of elements")
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError(f"adamw_multi_tensor_ref: {name} must be contiguous")
+    return _dtype_of(name, tensors)
+
+
+def _hyper_table(hyper, n: int) -> np.ndarray:
+    hyper = np.asarray(hyper, dtype=np.float32)
+    if hyper.shape != (n, 8):
+        raise ValueError(f"adamw_multi_tensor_ref: hyper: expected shape [{n}, 8], got {list(hyper.shape)}")
+    return hyper
+
+
+class HostGroup:
+    """``adamw_multi_tensor_ref``'s update of one group of CPU tensors, prepared for repeated steps:
+    the params, moments and masters checked once and held with their flat numpy views and the
+    group's blocks, so that a step costs the update rather than Python over the tensors. The views do
+    not keep tensors alive: the group holds them. ``describes`` says whether it still stands for
+    given lists (the same tensors at the same addresses)."""
+
+    def __init__(self, params: Sequence[paddle.Tensor], exp_avgs: Sequence[paddle.Tensor],
+                 exp_avg_sqs: Sequence[paddle.Tensor], masters: Optional[Sequence[paddle.Tensor]]):
+        self._lists = tuple(list(ts) for ts in (params, exp_avgs, exp_avg_sqs)) + (
+            (list(masters),) if masters is not None else ())
+        self.sizes = [_numel(p) for p in params]
+        self._dtypes = [_check_list(name, ts, self.sizes)
+                        for name, ts in zip(("params", "exp_avgs", "exp_avg_sqs", "masters"), self._lists)]
+        self._views = [[_flat(t, dtype) for t in ts] for ts, dtype in zip(self._lists, self._dtypes)]
+        self._addresses = self._addresses_of(self._lists)
+        self._blocks = list(_block_pieces(self.sizes))
+
+    @staticmethod
+    def _addresses_of(lists) -> list:
+        return [t.data_ptr() for ts in lists for t in ts]
+
+    def describes(self, params, exp_avgs, exp_avg_sqs, masters) -> bool:
+        lists = (params, exp_avgs, exp_avg_sqs) + ((masters,) if masters is not None else ())
+        return len(lists) == len(self._lists) and all(
+            len(ts) == len(held) and all(t is h for t, h in zip(ts, held)) for ts, held in zip(lists, self._lists)) \
+            and self._addresses_of(lists) == self._addresses
+
+    def step(self, grads: Sequence[paddle.Tensor], hyper: np.ndarray, stochastic_rounding: bool = False,
+             random_key: Sequence[int] = (0, 0)) -> None:
+        """One AdamW step with ``grads`` (CPU, the params' numbers of elements, one dtype; any
+        strides); ``hyper``, ``stochastic_rounding`` and ``random_key`` as ``adamw_multi_tensor_ref``'s."""
+        if len(grads) != len(self.sizes):
+            raise ValueError(f"adamw_multi_tensor_ref: expected {len(self.sizes)} grads, got {len(grads)}")
+        # held for the whole step: the numpy views below do not keep their tensors alive
+        grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+        g_dtype = _check_list("grads", grads, self.sizes)
+        g_views = [_flat(g, g_dtype) for g in grads]
+        p_dtype, m_dtype, v_dtype = self._dtypes[:3]
+        p_views, m_views, v_views = self._views[:3]
+        has_master = len(self._lists) == 4
+        w_dtype, w_views = (self._dtypes[3], self._views[3]) if has_master else (p_dtype, p_views)
+        # a generator only for the outputs rounded stochastically (seeding one is not free)
+        sr_param = not has_master and p_dtype in _SIXTEEN_BIT
+        rng = [_bit_generator(tuple(random_key) + (i,)) if stochastic_rounding and used else None
+               for i, used in enumerate((m_dtype in _SIXTEEN_BIT, v_dtype in _SIXTEEN_BIT, sr_param))]
+        hyper = _hyper_table(hyper, len(self.sizes))
+        shared = [column[0] if (column == column[0]).all() else None for column in hyper.T]
+        for pieces in self._blocks:
+            whole = len(pieces) == 1  # the block lies in one tensor: float32 memory is updated in place
+            g, w, m, v = (_load(views, pieces, dtype) for views, dtype in (
+                (g_views, g_dtype), (w_views, w_dtype), (m_views, m_dtype), (v_views, v_dtype)))
+            beta1, one_minus_beta1, beta2, one_minus_beta2, epsilon, decay, bias2_rsqrt, neg_step = \
+                _block_hyper(hyper, shared, pieces)
+            # one rounding per operation, in the kernel's order (w * 1 is w: no decay, no product)
+            if not (np.ndim(decay) == 0 and decay == 1):
+                np.multiply(w, decay, out=w)
+            np.multiply(m, beta1, out=m)
+            term = np.multiply(g, one_minus_beta1)
+            m += term
+            np.multiply(v, beta2, out=v)
+            np.multiply(g, one_minus_beta2, out=term)
+            term *= g
+            v += term
+            denom = np.sqrt(v, out=term)
+            denom *= bias2_rsqrt
+            denom += epsilon
+            update = np.divide(m, denom, out=denom)
+            update *= neg_step
+            w += update
+            _store(m, m_views, pieces, m_dtype, rng[0], whole and m_dtype == "float32")
+            _store(v, v_views, pieces, v_dtype, rng[1], whole and v_dtype == "float32")
+            _store(w, w_views, pieces, w_dtype, rng[2], whole and w_dtype == "float32")
+            if has_master:
+                _store(w, p_views, pieces, p_dtype, None, False)
 
 
 @paddle.no_grad()
@@ -200,19 +337,17 @@ def adamw_multi_tensor_ref(params: Sequence[paddle.Tensor], grads: Sequence[padd
     ``stochastic_rounding``: 16-bit moments (and 16-bit params without master) round stochastically,
     each output with SFC64 seeded by ``random_key`` + (output index,) drawn over the group's elements
     in order (for one tensor, its elements). The group runs as one flat sequence of blocks, so a group
-    of small tensors costs a few numpy calls per block rather than per tensor.
+    of small tensors costs a few numpy calls per block rather than per tensor. For repeated steps of
+    the same CPU tensors, ``HostGroup`` checks them and builds their views once.
     """
     n = len(params)
     lists = (params, grads, exp_avgs, exp_avg_sqs) + ((masters,) if masters is not None else ())
     if any(len(ts) != n for ts in lists):
         raise ValueError(f"adamw_multi_tensor_ref: expected {n} tensors in every list, got {[len(ts) for ts in lists]}")
-    hyper = np.asarray(hyper, dtype=np.float32)
-    if hyper.shape != (n, 8):
-        raise ValueError(f"adamw_multi_tensor_ref: hyper: expected shape [{n}, 8], got {list(hyper.shape)}")
+    hyper = _hyper_table(hyper, n)
     if n == 0:
         return
-    all_tensors = [t for ts in lists for t in ts]
-    if not all(t.place.is_cpu_place() for t in all_tensors):  # through host copies
+    if not all(t.place.is_cpu_place() for ts in lists for t in ts):  # through host copies
         host = [[t.cpu() for t in ts] for ts in lists]
         adamw_multi_tensor_ref(*host[:4], host[4] if masters is not None else None, hyper, stochastic_rounding,
                                random_key)
@@ -221,50 +356,7 @@ def adamw_multi_tensor_ref(params: Sequence[paddle.Tensor], grads: Sequence[padd
                 for t, h in zip(ts, hs):
                     paddle.assign(h._copy_to(t.place, True), output=t)
         return
-    sizes = [_numel(p) for p in params]
-    for k, ts in enumerate(lists[1:]):
-        if any(_numel(t) != size for t, size in zip(ts, sizes)):
-            raise ValueError(f"adamw_multi_tensor_ref: {_LIST_NAMES[k + 1]} must have the params' numbers of elements")
-    for k, ts in enumerate(lists):
-        if k != 1 and not all(t.is_contiguous() for t in ts):
-            raise ValueError(f"adamw_multi_tensor_ref: {_LIST_NAMES[k]} must be contiguous")
-    # held for the whole call: the numpy views below do not keep their tensors alive
-    grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
-    p_dtype, g_dtype, m_dtype, v_dtype = (_dtype_of(name, ts) for name, ts in zip(_LIST_NAMES, lists[:4]))
-    weights = masters if masters is not None else params
-    w_dtype = _dtype_of("masters", masters) if masters is not None else p_dtype
-    g_views, w_views, m_views, v_views, p_views = (
-        [_flat(t, dtype) for t in ts] for ts, dtype in ((grads, g_dtype), (weights, w_dtype), (exp_avgs, m_dtype),
-                                                      (exp_avg_sqs, v_dtype), (params, p_dtype)))
-    # a generator only for the outputs rounded stochastically (seeding one is not free)
-    sr_param = masters is None and p_dtype in _SIXTEEN_BIT
-    rng = [_bit_generator(tuple(random_key) + (i,)) if stochastic_rounding and used else None
-           for i, used in enumerate((m_dtype in _SIXTEEN_BIT, v_dtype in _SIXTEEN_BIT, sr_param))]
-    for pieces in _block_pieces(sizes):
-        # this block's inputs are read into fresh arrays before its outputs overwrite them
-        g, w, m, v = (_to_float32(_gather(views, pieces), dtype) for views, dtype in (
-            (g_views, g_dtype), (w_views, w_dtype), (m_views, m_dtype), (v_views, v_dtype)))
-        beta1, one_minus_beta1, beta2, one_minus_beta2, epsilon, decay, bias2_rsqrt, neg_step = \
-            _block_hyper(hyper, pieces)
-        # one rounding per operation, in the kernel's order; in place where that rounds the same
-        w = np.multiply(w, decay)
-        m = np.multiply(m, beta1)
-        m += g * one_minus_beta1
-        v = np.multiply(v, beta2)
-        v += np.multiply(g, one_minus_beta2) * g
-        denom = np.sqrt(v)
-        denom *= bias2_rsqrt
-        denom += epsilon
-        update = np.divide(m, denom, out=denom)
-        update *= neg_step
-        w += update
-        _scatter(_rounded(m, m_dtype, rng[0]), m_views, pieces)
-        _scatter(_rounded(v, v_dtype, rng[1]), v_views, pieces)
-        if masters is not None:
-            _scatter(w, w_views, pieces)
-            _scatter(_rounded(w, p_dtype, None), p_views, pieces)
-        else:
-            _scatter(_rounded(w, p_dtype, rng[2]), p_views, pieces)
+    HostGroup(params, exp_avgs, exp_avg_sqs, masters).step(grads, hyper, stochastic_rounding, random_key)
 
 
 def adamw_step_ref(param: paddle.Tensor, grad: paddle.Tensor, exp_avg: paddle.Tensor,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import paddle
 import paddle.nn.functional as F
 
+from ._common import float32
+
 from .gated_activation import GATE_ACTIVATIONS, gelu_tanh
 
 GATED = {"swiglu": "silu", "geglu": "gelu_tanh"}  # the MLP's gated activations -> gated_activation's names
@@ -30,19 +32,19 @@ def activation_ref(h: paddle.Tensor, activation: str) -> paddle.Tensor:
 
 def fused_dense_ref(x: paddle.Tensor, weight: paddle.Tensor, bias=None) -> paddle.Tensor:
     """x [..., in] @ weight [in, out] + bias [out]."""
-    out = paddle.matmul(x.astype("float32"), weight.astype("float32"))
+    out = paddle.matmul(float32(x), float32(weight))
     if bias is not None:
-        out = out + bias.astype("float32")
+        out = out + float32(bias)
     return out.astype(x.dtype)
 
 
 def fused_mlp_ref(x: paddle.Tensor, weight1: paddle.Tensor, weight2: paddle.Tensor, bias1=None, bias2=None,
                   activation: str = "gelu_approx") -> paddle.Tensor:
     """act(x @ weight1 + bias1) @ weight2 + bias2, all in float32, cast back to x's dtype."""
-    h = paddle.matmul(x.astype("float32"), weight1.astype("float32"))
+    h = paddle.matmul(float32(x), float32(weight1))
     if bias1 is not None:
-        h = h + bias1.astype("float32")
-    out = paddle.matmul(activation_ref(h, activation), weight2.astype("float32"))
+        h = h + float32(bias1)
+    out = paddle.matmul(activation_ref(h, activation), float32(weight2))
     if bias2 is not None:
-        out = out + bias2.astype("float32")
+        out = out + float32(bias2)
     return out.astype(x.dtype)

@@ -19,8 +19,11 @@ block does, and it spares the recomputing GEMM and the elementwise passes of ``g
 
 from __future__ import annotations
 
+import numpy as np
 import paddle
 import paddle.nn.functional as F
+
+from ._common import float32
 
 DEFAULT_BLOCK_ELEMENTS = 2**24  # logits held at once (64 MB of fp32)
 
@@ -36,18 +39,14 @@ def fits_one_block(n_tok: int, V: int) -> bool:
     return n_tok * V <= DEFAULT_BLOCK_ELEMENTS
 
 
-def _float32(x):
-    return x if x.dtype == paddle.float32 else x.astype("float32")
-
-
 def loss_and_lse_ref(hidden, weight, labels, bias=None, *, transpose_y: bool = True, ignore_index: int = -100,
                      label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
                      need_lse: bool = False):
     """(per-token fp32 loss ``[T]``, fp32 lse ``[T]`` or None unless needed) over the whole vocabulary,
     differentiable through Paddle's autograd; the same loss as ``lse_stats_ref`` + ``token_loss_ref``."""
-    a = paddle.matmul(_float32(hidden), _float32(weight), transpose_y=transpose_y)
+    a = paddle.matmul(float32(hidden), float32(weight), transpose_y=transpose_y)
     if bias is not None:
-        a = a + _float32(bias)
+        a = a + float32(bias)
     s = _softcapped(a, softcap)
     # the fused softmax-with-cross-entropy kernel: lse - s_y, and 0 (no gradient) for ignored tokens
     loss = F.cross_entropy(s, labels if labels.dtype == paddle.int64 else labels.astype("int64"),
@@ -76,14 +75,19 @@ def _softcapped(a, softcap):
     return a if softcap is None else softcap * paddle.tanh(a / softcap)
 
 
-def check_labels(labels, vocab_total: int, ignore_index: int) -> None:
-    """ValueError unless every label is ``ignore_index`` or in ``[0, vocab_total)`` (host sync)."""
-    lab = labels.reshape([-1]).numpy()  # one host copy of the labels: cheaper than a chain of Paddle ops
-    bad = (lab != ignore_index) & ((lab < 0) | (lab >= vocab_total))
+def check_labels(labels, vocab_total: int, ignore_index: int) -> int:
+    """ValueError unless every label is ``ignore_index`` or in ``[0, vocab_total)`` (host sync); returns
+    how many labels are not ``ignore_index``."""
+    lab = labels.numpy().reshape(-1)  # one host copy of the labels: cheaper than a chain of Paddle ops
+    if lab.size and 0 <= lab.min() and lab.max() < vocab_total:  # all in range: only the count is left
+        return lab.size - (int(np.count_nonzero(lab == ignore_index)) if 0 <= ignore_index < vocab_total else 0)
+    labelled = lab != ignore_index
+    bad = labelled & ((lab < 0) | (lab >= vocab_total))
     if bad.any():
         first = int(lab[bad.argmax()])
         raise ValueError(f"labels: expected values in [0, {vocab_total}) or ignore_index={ignore_index}, "
                          f"got {first}")
+    return int(np.count_nonzero(labelled))
 
 
 def lse_stats_ref(hidden, weight, labels, bias=None, *, transpose_y: bool = True, vocab_start: int = 0,

@@ -11,6 +11,8 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from ._common import float32
+
 
 def _normalize(h32, eps: float, is_rms_norm: bool):
     """(h - mean) / sqrt(var + eps) over the last axis, or h / sqrt(mean(h^2) + eps) (RMSNorm)."""
@@ -48,23 +50,23 @@ def layer_norm_ref(x, weight, bias=None, residual=None, eps: float = 1e-5, preno
     if residual is None and residual_dtype == x.dtype and plain:
         h = x
     else:
-        h32 = x.astype("float32")
+        h32 = float32(x)
         if rowscale is not None:
-            h32 = h32 * rowscale.astype("float32").unsqueeze(-1)
+            h32 = h32 * float32(rowscale).unsqueeze(-1)
         h32 = _dropped(h32, dropout_mask, dropout_p)
         if x1 is not None:
-            h32 = h32 + _dropped(x1.astype("float32"), dropout_mask1, dropout_p)
+            h32 = h32 + _dropped(float32(x1), dropout_mask1, dropout_p)
         if residual is not None:
-            h32 = h32 + residual.astype("float32")
+            h32 = h32 + float32(residual)
         h = h32.astype(residual_dtype)
-    normed = _normalize(h.astype("float32"), eps, is_rms_norm)
+    normed = _normalize(float32(h), eps, is_rms_norm)
     outs = []
     for w, b in ((weight, bias), (weight1, bias1)):
         if w is None:
             continue
-        y = normed * (w.astype("float32") + weight_offset)
+        y = normed * (float32(w) + weight_offset)
         if b is not None:
-            y = y + b.astype("float32")
+            y = y + float32(b)
         outs.append(y.astype(out_dtype))
     if prenorm:
         outs.append(h)
@@ -78,13 +80,13 @@ def rmsnorm_gated_ref(x, weight, z=None, eps: float = 1e-6, group_size=None, nor
     (norm_before_gate) or ``norm(x * silu(z)) * weight + bias``."""
     N = x.shape[-1]
     group_size = group_size or N
-    h = x.astype("float32")
+    h = float32(x)
     if z is not None and not norm_before_gate:
-        h = h * F.silu(z.astype("float32"))
+        h = h * F.silu(float32(z))
     grouped = h.reshape(list(x.shape[:-1]) + [N // group_size, group_size])
-    y = _normalize(grouped, eps, is_rms_norm).reshape(h.shape) * weight.astype("float32")
+    y = _normalize(grouped, eps, is_rms_norm).reshape(h.shape) * float32(weight)
     if bias is not None:
-        y = y + bias.astype("float32")
+        y = y + float32(bias)
     if z is not None and norm_before_gate:
-        y = y * F.silu(z.astype("float32"))
+        y = y * F.silu(float32(z))
     return y.astype(x.dtype)

@@ -187,7 +187,10 @@ def resolve_backend(op: str, requested: Optional[str], device: str, implemented:
             raise BackendUnavailableError(f"{op}: backend {name!r} does not support this call: {why}")
         return name
 
-    order = list(prefer if prefer is not None else gpu_order(op)) if device == "gpu" else ["triton"]
+    if device == "gpu":
+        order = list(prefer if prefer is not None else gpu_order(op))
+    else:  # on a CPU the one kernel backend is Triton's interpreter
+        order = ["triton"] if interpreter_enabled() else []
     skipped = []
     for candidate in order:
         if candidate not in implemented:

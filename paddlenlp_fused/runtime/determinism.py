@@ -10,10 +10,24 @@ the environment variable of the same name, which Paddle reads at start-up on GPU
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
 FLAG = "FLAGS_cudnn_deterministic"
+
+
+@functools.lru_cache(maxsize=None)
+def _paddle_has_flag() -> bool:
+    """Whether this Paddle build registers FLAG (a property of the build; asking a build without it
+    costs an exception per call, and the ops ask per call)."""
+    import paddle  # here, so that runtime stays importable without paddle
+
+    try:
+        paddle.get_flags([FLAG])
+    except ValueError:
+        return False
+    return True
 
 
 def deterministic_requested(deterministic: Optional[bool] = None) -> bool:
@@ -22,9 +36,8 @@ def deterministic_requested(deterministic: Optional[bool] = None) -> bool:
         if not isinstance(deterministic, bool):
             raise TypeError(f"deterministic: expected None, True or False, got {deterministic!r}")
         return deterministic
-    import paddle  # here, so that runtime stays importable without paddle
+    if _paddle_has_flag():
+        import paddle
 
-    try:
         return bool(paddle.get_flags([FLAG])[FLAG])
-    except ValueError:  # a build without the flag
-        return os.environ.get(FLAG, "").strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get(FLAG, "").strip().lower() in ("1", "true", "yes", "on")

@@ -19,10 +19,19 @@ _ITEMSIZE = {
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
+_NAMES: dict = {}  # dtype object -> name: the ops ask per call, and str() of a dtype is not cheap
+
+
 def dtype_name(t) -> str:
     """'float32', 'bfloat16', ... for a tensor or a dtype of either framework."""
     dtype = getattr(t, "dtype", t)
-    return str(dtype).rsplit(".", 1)[-1]
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        name = _NAMES[dtype] = str(dtype).rsplit(".", 1)[-1]
+        return name
+    except TypeError:  # an unhashable dtype
+        return str(dtype).rsplit(".", 1)[-1]
 
 
 def itemsize(t) -> int:

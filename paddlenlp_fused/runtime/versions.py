@@ -9,6 +9,7 @@ unavailable with the reason (``triton_status``), and ``auto`` takes another back
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import re
 import warnings
@@ -32,6 +33,7 @@ PADDLE_SPEC = _spec(PADDLE_SUPPORTED)
 TRITON_SPEC = _spec(TRITON_SUPPORTED)
 
 
+@functools.lru_cache(maxsize=None)  # the backend choice asks about Triton's version at every op call
 def parse(version: str) -> Tuple[int, int]:
     """(major, minor) of a version string such as '3.3.1', '3.2.0.post120', '3.6.0+git1234'."""
     match = re.match(r"(\d+)\.(\d+)", version)

@@ -328,11 +328,18 @@ def hyper_rows(lr, weight_decay, beta1, beta2, epsilon, beta1_pow, beta2_pow) ->
     no decay applies, ``beta*_pow`` = beta^t of this step. The inputs are taken as float32 values
     (as Paddle holds them: 1 - beta is then 1 - float32(beta)), the derived scalars computed in
     float64 and rounded once."""
-    lr, wd, b1, b2, eps, b1p, b2p = np.broadcast_arrays(*[np.asarray(a, dtype=np.float32).astype(np.float64) for a in (
+    columns = np.broadcast_arrays(*[np.asarray(a, dtype=np.float32) for a in (
         lr, weight_decay, beta1, beta2, epsilon, beta1_pow, beta2_pow)])
+    return np.atleast_2d(hyper_table(np.stack(columns, axis=-1)))
+
+
+def hyper_table(values) -> np.ndarray:
+    """``hyper_rows`` of ``values`` [..., 7]: its arguments side by side, one row a tensor (one array
+    in, so that a caller with a row per tensor, such as the optimizer each step, spends few calls)."""
+    lr, wd, b1, b2, eps, b1p, b2p = np.moveaxis(np.asarray(values, dtype=np.float32).astype(np.float64), -1, 0)
     rows = np.stack([b1, 1.0 - b1, b2, 1.0 - b2, eps, 1.0 - lr * wd, 1.0 / np.sqrt(1.0 - b2p), -lr / (1.0 - b1p)],
                     axis=-1)
-    return np.atleast_2d(rows).astype(np.float32)
+    return rows.astype(np.float32)
 
 
 def step_seed(base_seed: int, step: int) -> int:
