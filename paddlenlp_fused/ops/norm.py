@@ -331,14 +331,12 @@ def layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=N
     out_dtype = _check_out_dtype(out_dtype, x, out)
     weight_offset = _weight_offset(weight_offset, zero_centered_weight)
     op = "rms_norm" if is_rms_norm else "layer_norm"
-    extras = [name for name, given in (("x1", x1 is not None), ("weight1", weight1 is not None),
-                                        ("rowscale", rowscale is not None), ("dropout_p", dropout_p > 0)) if given]
-    stream_is_x = residual is None and residual_dtype == x.dtype and residual_out is None and x1 is None and \
-        rowscale is None and dropout_p == 0  # (then the kernels store no h)
 
     def unsupported(name):
         if name == "reference":
             return None
+        extras = [arg for arg, given in (("x1", x1 is not None), ("weight1", weight1 is not None),
+                                          ("rowscale", rowscale is not None), ("dropout_p", dropout_p > 0)) if given]
         if name == "cuda" and extras:
             return f"{', '.join(extras)}: not in the CUDA kernels"
         if name == "cuda" and out_dtype != T.dtype_name(x):
@@ -358,6 +356,8 @@ def layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=N
                                     residual_dtype, weight_offset, out_dtype, dropout, _Buffers(out, residual_out),
                                     chosen)
         masks = tuple(None if m is None else m.astype("bool").reshape(x.shape) for m in (dropout.mask, dropout.mask1))
+        stream_is_x = residual is None and residual_dtype == x.dtype and residual_out is None and x1 is None and \
+            rowscale is None and dropout_p == 0  # (then the kernels store no h)
         if prenorm and stream_is_x:
             result = (result if isinstance(result, tuple) else (result,)) + (x,)  # h is x: its gradient reaches x
     else:

@@ -384,7 +384,7 @@ class FusedAdamW(Optimizer):
         """Indices into ``work`` by (param dtype, grad dtype, master or not): one update each."""
         groups: Dict[tuple, List[int]] = OrderedDict()
         for i, ((param, grad, _), state) in enumerate(zip(work, states)):
-            groups.setdefault((T.dtype_name(param), T.dtype_name(grad), state.master is not None), []).append(i)
+            groups.setdefault((param.dtype, grad.dtype, state.master is not None), []).append(i)
         return groups
 
     def _step_reference(self, work, states, rows) -> None:
@@ -398,12 +398,13 @@ class FusedAdamW(Optimizer):
             exp_avg_sqs = [states[i].exp_avg_sq for i in members]
             masters = [states[i].master for i in members] if kind[2] else None
             random_key = (self._seed, self._step_count, index)
-            if not all(p.place.is_cpu_place() for p in params):  # through host copies
-                adamw_multi_tensor_ref(params, grads, exp_avgs, exp_avg_sqs, masters, rows[members],
-                                       self._stochastic_rounding, random_key)
-                continue
             group = self._host_groups.get(kind)
             if group is None or not group.describes(params, exp_avgs, exp_avg_sqs, masters):
+                # (tensors that moved to another place have other addresses: checked again here)
+                if not all(p.place.is_cpu_place() for p in params):  # through host copies
+                    adamw_multi_tensor_ref(params, grads, exp_avgs, exp_avg_sqs, masters, rows[members],
+                                           self._stochastic_rounding, random_key)
+                    continue
                 group = self._host_groups[kind] = HostGroup(params, exp_avgs, exp_avg_sqs, masters)
             group.step(grads, rows[members], self._stochastic_rounding, random_key)
 

@@ -336,10 +336,10 @@ def hyper_rows(lr, weight_decay, beta1, beta2, epsilon, beta1_pow, beta2_pow) ->
 def hyper_table(values) -> np.ndarray:
     """``hyper_rows`` of ``values`` [..., 7]: its arguments side by side, one row a tensor (one array
     in, so that a caller with a row per tensor, such as the optimizer each step, spends few calls)."""
-    lr, wd, b1, b2, eps, b1p, b2p = np.moveaxis(np.asarray(values, dtype=np.float32).astype(np.float64), -1, 0)
-    rows = np.stack([b1, 1.0 - b1, b2, 1.0 - b2, eps, 1.0 - lr * wd, 1.0 / np.sqrt(1.0 - b2p), -lr / (1.0 - b1p)],
-                    axis=-1)
-    return rows.astype(np.float32)
+    lr, wd, b1, b2, eps, b1p, b2p = np.asarray(values, dtype=np.float32).astype(np.float64).T
+    rows = np.array((b1, 1.0 - b1, b2, 1.0 - b2, eps, 1.0 - lr * wd, 1.0 / np.sqrt(1.0 - b2p), -lr / (1.0 - b1p)),
+                    dtype=np.float32)
+    return np.ascontiguousarray(rows.T)
 
 
 def step_seed(base_seed: int, step: int) -> int:
