@@ -180,6 +180,9 @@ def run_case(name: str, provider, out_dir: pathlib.Path, copy_TBps: float, quick
     return result
 
 
+FLOOR = "floor:"  # impl prefix of a floor row (vs_best_other)
+
+
 def _primary(row: dict, rows) -> float | None:
     for key, _ in reversed(_time_keys(rows)):  # fwd+bwd where timed, else fwd (an optimizer step)
         if row.get(key):
@@ -189,11 +192,14 @@ def _primary(row: dict, rows) -> float | None:
 
 def vs_best_other(rows) -> list:
     """Each row's time over the best row of the other side at the same size (``B`` where rows carry
-    it): ours against the fastest of torch and the peers, each of those against our fastest."""
+    it): ours against the fastest of torch and the peers, each of those against our fastest. A floor
+    row (``impl`` "floor: ...", e.g. the MLP's plain GEMMs alone) is no competitor: it gets its ratio
+    to our fastest but counts for no row of ours."""
     ratios = []
     for row in rows:
         mine = row["impl"].startswith(OURS)
         others = [_primary(r, rows) for r in rows if r["impl"].startswith(OURS) != mine
+                  and not (mine and r["impl"].startswith(FLOOR))
                   and r.get("B") == row.get("B") and _primary(r, rows)]
         t = _primary(row, rows)
         ratios.append(t / min(others) if t and others else None)
