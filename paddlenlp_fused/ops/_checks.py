@@ -40,5 +40,4 @@ def contiguous(t):
 
 
 def device_of(t) -> str:
-    """'gpu' or 'cpu' for a Paddle tensor."""
-    return "gpu" if t.place.is_gpu_place() else "cpu"
+    return T.device_kind(t)

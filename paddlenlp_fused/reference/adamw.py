@@ -239,7 +239,7 @@ def _check_list(name: str, tensors: Sequence[paddle.Tensor], sizes: Sequence[int
     return _dtype_of(name, tensors)
 
 
-def _hyper_table(hyper, n: int) -> np.ndarray:
+def _checked_hyper(hyper, n: int) -> np.ndarray:
     hyper = np.asarray(hyper, dtype=np.float32)
     if hyper.shape != (n, 8):
         raise ValueError(f"adamw_multi_tensor_ref: hyper: expected shape [{n}, 8], got {list(hyper.shape)}")
@@ -292,7 +292,7 @@ class HostGroup:
         sr_param = not has_master and p_dtype in _SIXTEEN_BIT
         rng = [_bit_generator(tuple(random_key) + (i,)) if stochastic_rounding and used else None
                for i, used in enumerate((m_dtype in _SIXTEEN_BIT, v_dtype in _SIXTEEN_BIT, sr_param))]
-        hyper = _hyper_table(hyper, len(self.sizes))
+        hyper = _checked_hyper(hyper, len(self.sizes))
         shared = [column[0] if (column == column[0]).all() else None for column in hyper.T]
         for pieces in self._blocks:
             whole = len(pieces) == 1  # the block lies in one tensor: float32 memory is updated in place
@@ -344,7 +344,7 @@ def adamw_multi_tensor_ref(params: Sequence[paddle.Tensor], grads: Sequence[padd
     lists = (params, grads, exp_avgs, exp_avg_sqs) + ((masters,) if masters is not None else ())
     if any(len(ts) != n for ts in lists):
         raise ValueError(f"adamw_multi_tensor_ref: expected {n} tensors in every list, got {[len(ts) for ts in lists]}")
-    hyper = _hyper_table(hyper, n)
+    hyper = _checked_hyper(hyper, n)
     if n == 0:
         return
     if not all(t.place.is_cpu_place() for ts in lists for t in ts):  # through host copies

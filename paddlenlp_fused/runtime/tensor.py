@@ -134,11 +134,12 @@ def _spec_dtype(name: str) -> _SpecDType:
 
 
 def device_kind(t) -> str:
-    """'gpu' or 'cpu' for a Paddle tensor (``.place``) or a torch tensor (``.is_cuda``)."""
-    place = getattr(t, "place", None)
-    if place is not None and hasattr(place, "is_gpu_place"):
-        return "gpu" if place.is_gpu_place() else "cpu"
-    return "gpu" if getattr(t, "is_cuda", False) else "cpu"
+    """'gpu' or 'cpu' for a Paddle tensor (``.place``) or a torch tensor (``.is_cuda``). Paddle's
+    first, without probing: the ops ask per call."""
+    try:
+        return "gpu" if t.place.is_gpu_place() else "cpu"
+    except AttributeError:  # a torch tensor (no .place)
+        return "gpu" if getattr(t, "is_cuda", False) else "cpu"
 
 
 def row_stride(name: str, t, M: int, N: int) -> int:

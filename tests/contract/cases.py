@@ -377,6 +377,15 @@ def _inner_inputs(batch=2, dim=4, seqlen=6, dstate=3, rank=2, d_model=5):
                 delta_bias=randn(dim, scale=0.5))
 
 
+def _scan(**kw):
+    """selective_scan_fn with softplus on a backend (``kw``: its other options)."""
+    return lambda backend, **t: pf.selective_scan_fn(**t, delta_softplus=True, backend=backend, **kw)
+
+
+def _scan_ref(**t):
+    return mamba_ref.selective_scan_ref(**t, delta_softplus=True)
+
+
 def _inner(fn, **kw):
     return lambda xz, conv_w, conv_b, x_proj_w, delta_proj_w, out_proj_w, A, D, delta_bias: fn(
         xz, conv_w, conv_b, x_proj_w, delta_proj_w, out_proj_w, None, A, D=D, delta_bias=delta_bias,
@@ -386,20 +395,20 @@ def _inner(fn, **kw):
 MAMBA = [
     Entry("selective_scan_fn",
           _scan_inputs,
-          lambda backend, **t: pf.selective_scan_fn(**t, delta_softplus=True, backend=backend),
-          lambda **t: mamba_ref.selective_scan_ref(**t, delta_softplus=True),
+          _scan(),
+          _scan_ref,
           empty=lambda: _scan_inputs(seqlen=0),
           bad=(Bad("delta shape", lambda i: {**i, "delta": randn(2, 4, 3)}, ValueError, "delta"),
                Bad("A rows", lambda i: {**i, "A": randn(3, 3)}, ValueError, "A")),
           low_precision=("u", "delta", "z"), amp_factor=MAMBA_AMP_FACTOR),
     Entry("selective_scan_fn(deterministic)",
           _scan_inputs,
-          lambda backend, **t: pf.selective_scan_fn(**t, delta_softplus=True, backend=backend, deterministic=True),
-          lambda **t: mamba_ref.selective_scan_ref(**t, delta_softplus=True)),
+          _scan(deterministic=True),
+          _scan_ref),
     Entry("selective_scan_fn(complex A)",
           _complex_scan_inputs,
-          lambda backend, **t: pf.selective_scan_fn(**t, delta_softplus=True, backend=backend),
-          lambda **t: mamba_ref.selective_scan_ref(**t, delta_softplus=True),
+          _scan(),
+          _scan_ref,
           empty=lambda: _complex_scan_inputs(seqlen=0),
           bad=(Bad("B pairs length", lambda i: {**i, "B": randn(2, 3, 7)}, ValueError, "B"),
                Bad("complex input-dependent C", lambda i: {**i, "C": paddle.complex(i["C"], i["C"])}, TypeError,
