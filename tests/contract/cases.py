@@ -240,6 +240,11 @@ GATED = [
     for name, act in (("swiglu", "silu"), ("geglu", "gelu_tanh"))
 ]
 
+# the MLPs' kernels round the hidden activations to bfloat16 between their GEMMs (as the plain
+# composition in bfloat16 does) where the reference keeps them float32: up to 4.5x the reference's
+# error seen; over 150 seeds of five MLP entries (O1 as O2) at most 0.35 of this factor's limits
+MLP_AMP_FACTOR = 3
+
 _DENSE_BAD = (Bad("weight rows", with_(weight=randn(7, 6)), ValueError, "weight"),
               Bad("bias shape", with_(bias=randn(5)), ValueError, "bias"))
 
@@ -262,7 +267,7 @@ DENSE = [
           empty=lambda act=act: dict(x=randn(0, 8), w1=randn(8, 12 if act in ("swiglu", "geglu") else 6),
                                      w2=randn(6, 4), b1=randn(12 if act in ("swiglu", "geglu") else 6), b2=randn(4)),
           bad=(Bad("weight1 rows", with_(w1=randn(7, 6)), ValueError, "weight1"),),
-          low_precision=("x",))
+          low_precision=("x",), amp_factor=MLP_AMP_FACTOR)
     for act, lvl in (("gelu_approx", 0), ("gelu_approx", 1), ("relu", 2), ("swiglu", 1))
 ] + [
     Entry("FusedDense", lambda: dict(x=randn(4, 8)), lambda layer, x: layer(x),
@@ -272,7 +277,7 @@ DENSE = [
           lambda layer, x: _plain_mlp(x, layer.fc1.weight, layer.fc2.weight, layer.fc1.bias, layer.fc2.bias,
                                       "gelu_approx"),
           build=built(pf.FusedMLP, 8, 12, activation="gelu_approx", checkpoint_lvl=2),
-          empty=lambda: dict(x=randn(0, 8)), low_precision=("x",)),
+          empty=lambda: dict(x=randn(0, 8)), low_precision=("x",), amp_factor=MLP_AMP_FACTOR),
     Entry("ColumnParallelLinear(1 process)", lambda: dict(x=randn(2, 3, 8)), lambda layer, x: layer(x),
           lambda layer, x: paddle.matmul(x, layer.weight) + layer.bias,
           build=built(pf.ColumnParallelLinear, 8, 6, has_bias=True), low_precision=("x",)),
@@ -282,7 +287,7 @@ DENSE = [
     Entry("ParallelFusedMLP(1 process)", lambda: dict(x=randn(3, 8)), lambda layer, x: layer(x),
           lambda layer, x: _plain_mlp(x, layer.fc1.weight, layer.fc2.weight, layer.fc1.bias, layer.fc2.bias,
                                       "gelu_approx"),
-          build=built(pf.ParallelFusedMLP, 8, 12), low_precision=("x",)),
+          build=built(pf.ParallelFusedMLP, 8, 12), low_precision=("x",), amp_factor=MLP_AMP_FACTOR),
 ]
 
 
@@ -302,6 +307,16 @@ def _plain_contrastive(q, k, scale=2.0, symmetric=False):
     if symmetric:
         loss = 0.5 * (loss + F.cross_entropy(logits.T, targets))
     return loss
+
+
+def _matching_pairs(batch, dim):
+    """q and k whose rows i match (k_i = q_i plus noise), as contrastive training sees them. The
+    scale's gradient sums each row's softmax mean of S minus S_ii: of one sign where pairs match,
+    while unrelated draws make it a sum that cancels to near zero, whose relative error no rounding
+    bound holds (the bfloat16 path rounds each term)."""
+    q = np.random.randn(batch, dim) * 0.5
+    k = q + np.random.randn(batch, dim) * 0.25
+    return dict(q=paddle.to_tensor(q.astype(np.float32)), k=paddle.to_tensor(k.astype(np.float32)))
 
 
 LOSSES = [
@@ -333,8 +348,7 @@ LOSSES = [
                Bad("q rank", with_(q=randn(6)), ValueError, "q")),
           low_precision=("q", "k"), o1=False,
           notes={"empty": "rejects an empty batch (ValueError naming q, k): the plain mean over 0 rows is NaN"}),
-    Entry("FlashContrastiveLoss(symmetric, learnable scale)",
-          lambda: dict(q=randn(5, 8, scale=0.5), k=randn(5, 8, scale=0.5)),
+    Entry("FlashContrastiveLoss(symmetric, learnable scale)", lambda: _matching_pairs(5, 8),
           lambda layer, q, k: layer(q, k),
           lambda layer, q, k: _plain_contrastive(q, k, layer.scale(), symmetric=True),
           build=built(pf.FlashContrastiveLoss, symmetric=True, learnable_scale=True, init_scale=2.0),
@@ -466,7 +480,10 @@ def _ssd_inputs(batch=1, seqlen=12, nheads=2, headdim=4, ngroups=1, dstate=4):
                 dt_bias=randn(nheads, scale=0.5))
 
 
-def _split_inputs(batch=1, seqlen=10, nheads=2, headdim=4, dstate=4, width=4, d_out=6):
+def _split_inputs(batch=1, seqlen=10, nheads=4, headdim=4, dstate=4, width=4, d_out=6):
+    """Four heads: dA, dD and ddt_bias sum one term a token per head, which cancel, and the relative
+    error of a two-element sum has a long tail (dD at O2 reached 0.92 of its limit within ~50 draws
+    with two heads; 0.27 within 100 with four)."""
     dim, conv_dim = nheads * headdim, nheads * headdim + 2 * dstate
     return dict(zxbcdt=randn(batch, seqlen, 2 * dim + 2 * dstate + nheads), conv_w=randn(conv_dim, width, scale=0.5),
                 conv_b=randn(conv_dim), dt_bias=randn(nheads, scale=0.5), A=-uniform(0.5, 1.5, nheads),
