@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 import paddle
+from paddle import _C_ops
 
 _SIXTEEN_BIT = ("float16", "bfloat16")
 _BF16_NAN = np.uint16(0x7FC0)
@@ -153,10 +154,10 @@ def _round_into(values: np.ndarray, dtype: str, rng: Optional[np.random.SFC64], 
 _BLOCK = 1 << 15
 
 
-def _block_pieces(sizes: Sequence[int]):
-    """The group's elements in order cut into blocks of _BLOCK: for each block, its pieces
+def _block_pieces(sizes: Sequence[int], block: int = _BLOCK):
+    """The group's elements in order cut into blocks of ``block``: for each block, its pieces
     (tensor index, start, stop) within the tensors it covers."""
-    pieces, room = [], _BLOCK
+    pieces, room = [], block
     for i, size in enumerate(sizes):
         start = 0
         while start < size:
@@ -166,7 +167,7 @@ def _block_pieces(sizes: Sequence[int]):
             start = stop
             if room == 0:
                 yield pieces
-                pieces, room = [], _BLOCK
+                pieces, room = [], block
     if pieces:
         yield pieces
 
@@ -321,6 +322,128 @@ class HostGroup:
             _store(w, w_views, pieces, w_dtype, rng[2], whole and w_dtype == "float32")
             if has_master:
                 _store(w, p_views, pieces, p_dtype, None, False)
+
+
+# Elements of 16-bit moments KernelGroup widens to float32 at a time: its scratch (two such arrays)
+# stays bounded whatever the group's size. A multiple of 4, so random streams continue across chunks.
+_SCRATCH = 1 << 20
+
+
+def _tensor_over(array: np.ndarray) -> paddle.Tensor:
+    """A Paddle tensor on ``array``'s memory (zero-copy; it keeps the array alive)."""
+    return paddle.from_dlpack(array)
+
+
+class KernelGroup:
+    """FusedAdamW's update of a group of float32 CPU params with float32 grads and no master weights,
+    on Paddle's multi-tensor AdamW kernel (``fused_adam_``: decoupled weight decay, bias correction
+    from the given beta^t, one pass in C++ where HostGroup's numpy makes some 25). One call per set
+    of tensors sharing (lr, weight decay, beta1, beta2, epsilon). 16-bit moments are widened into
+    float32 scratch and rounded back in numpy, _SCRATCH elements at a time, with HostGroup's rounding
+    and random streams (SFC64 keyed by ``random_key`` + (output,), over the group's elements in
+    order). The arithmetic is AdamW's but not the Triton kernel's rounding for rounding (Paddle folds
+    the bias corrections into the step size and epsilon). ``describes`` as HostGroup's."""
+
+    def __init__(self, params: Sequence[paddle.Tensor], exp_avgs: Sequence[paddle.Tensor],
+                 exp_avg_sqs: Sequence[paddle.Tensor]):
+        self._lists = (list(params), list(exp_avgs), list(exp_avg_sqs))
+        self.sizes = [_numel(p) for p in params]
+        dtypes = [_check_list(name, ts, self.sizes)
+                  for name, ts in zip(("params", "exp_avgs", "exp_avg_sqs"), self._lists)]
+        if dtypes[0] != "float32":
+            raise ValueError(f"KernelGroup: expected float32 params, got {dtypes[0]}")
+        self._moment_dtypes = dtypes[1:]
+        self._addresses = HostGroup._addresses_of(self._lists)
+        narrow = [dtype in _SIXTEEN_BIT for dtype in self._moment_dtypes]
+        # chunks of pieces (tensor index, start, stop); float32 moments need no scratch: one chunk of
+        # whole tensors
+        block = _SCRATCH if any(narrow) else max(1, sum(self.sizes))
+        self._chunks = list(_block_pieces(self.sizes, block))
+        n_pieces = sum(len(pieces) for pieces in self._chunks)
+        self._piece_tensor = np.array([i for pieces in self._chunks for i, _, _ in pieces], dtype=np.intp)
+        # per piece: learning rate, beta1^t, beta2^t, read by the kernel from these [1] tensors
+        self._scalars = np.zeros((n_pieces, 3), np.float32)
+        self._scalar_tensors = [[_tensor_over(self._scalars[k, j:j + 1]) for j in range(3)] for k in range(n_pieces)]
+        self._moment_views = [[_flat(t, dtype) for t in ts] for ts, dtype in zip(self._lists[1:], self._moment_dtypes)]
+        self._scratch = [np.empty(min(sum(self.sizes), _SCRATCH) if wide else 0, np.float32) for wide in narrow]
+        param_views = [_flat(p, "float32") for p in params]
+        self._pieces = []  # per chunk: [(tensor index, start, stop, param, exp_avg, exp_avg_sq)]
+        for pieces in self._chunks:
+            at, entries = 0, []
+            for i, start, stop in pieces:
+                whole = start == 0 and stop == self.sizes[i]
+                param = params[i] if whole else _tensor_over(param_views[i][start:stop])
+                moments = []
+                for k, ts in enumerate(self._lists[1:]):
+                    if narrow[k]:
+                        view = self._scratch[k][at:at + stop - start]
+                        moments.append(_tensor_over(view.reshape(param.shape) if whole else view))
+                    else:  # whole tensors (one chunk)
+                        moments.append(ts[i])
+                entries.append((i, start, stop, param, *moments))
+                at += stop - start
+            self._pieces.append(entries)
+
+    def describes(self, params, exp_avgs, exp_avg_sqs, masters) -> bool:
+        lists = (params, exp_avgs, exp_avg_sqs)
+        return masters is None and all(
+            len(ts) == len(held) and all(t is h for t, h in zip(ts, held)) for ts, held in zip(lists, self._lists)) \
+            and HostGroup._addresses_of(lists) == self._addresses
+
+    def step(self, grads: Sequence[paddle.Tensor], table: np.ndarray, stochastic_rounding: bool = False,
+             random_key: Sequence[int] = (0, 0)) -> None:
+        """One AdamW step with float32 ``grads`` (CPU, the params' numbers of elements; any strides).
+        ``table``: float32 [n, 7], row i tensor i's (lr, weight decay, beta1, beta2, epsilon,
+        beta1^t, beta2^t) of this step."""
+        if len(grads) != len(self.sizes):
+            raise ValueError(f"adamw_multi_tensor_ref: expected {len(self.sizes)} grads, got {len(grads)}")
+        grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+        if _check_list("grads", grads, self.sizes) != "float32":
+            raise ValueError("KernelGroup: expected float32 grads")
+        table = np.asarray(table, dtype=np.float32)
+        if table.shape != (len(self.sizes), 7):
+            raise ValueError(f"KernelGroup: table: expected shape [{len(self.sizes)}, 7], got {list(table.shape)}")
+        self._scalars[:] = table[self._piece_tensor][:, [0, 5, 6]]
+        keys = [tuple(row) for row in table[:, :5].tolist()]
+        rng = [_bit_generator(tuple(random_key) + (k,)) if stochastic_rounding and scratch.size else None
+               for k, scratch in enumerate(self._scratch)]
+        first = 0  # index of the chunk's first piece in _scalars
+        for pieces, entries in zip(self._chunks, self._pieces):
+            size = sum(stop - start for _, start, stop in pieces)
+            for k, scratch in enumerate(self._scratch):
+                if scratch.size:
+                    _widen_into(self._moment_views[k], pieces, self._moment_dtypes[k], scratch[:size])
+            sets = {}
+            for n, (i, start, stop, param, exp_avg, exp_avg_sq) in enumerate(entries):
+                whole = start == 0 and stop == self.sizes[i]
+                grad = grads[i] if whole else grads[i].reshape([-1])[start:stop]
+                members = sets.setdefault(keys[i], ([], [], [], [], [], [], first + n))
+                for column, value in zip(members, (param, grad, exp_avg, exp_avg_sq,
+                                                   self._scalar_tensors[first + n][1],
+                                                   self._scalar_tensors[first + n][2])):
+                    column.append(value)
+            for (lr, weight_decay, beta1, beta2, epsilon), members in sets.items():
+                ps, gs, ms, vs, b1ps, b2ps, lead = members
+                # (chunk_size: the GPU kernel's launch granularity; use_adamw; no multi_precision;
+                # use_global_beta_pow: the optimizer keeps beta^t, the kernel reads it)
+                _C_ops.fused_adam_(ps, gs, self._scalar_tensors[lead][0], ms, vs, None, b1ps, b2ps, None, None,
+                                   beta1, beta2, epsilon, 65536, weight_decay, True, False, True, False)
+            for k, scratch in enumerate(self._scratch):
+                if scratch.size:
+                    _store(scratch[:size], self._moment_views[k], pieces, self._moment_dtypes[k], rng[k], False)
+            first += len(pieces)
+
+
+def _widen_into(views: Sequence[np.ndarray], pieces, dtype: str, out: np.ndarray) -> None:
+    """A chunk's 16-bit values (bit patterns in ``views``) as float32 into ``out``."""
+    at = 0
+    for i, start, stop in pieces:
+        part = out[at:at + stop - start]
+        if dtype == "bfloat16":
+            np.left_shift(views[i][start:stop], 16, out=part.view(np.uint32), dtype=np.uint32)
+        else:
+            np.copyto(part, views[i][start:stop].view(np.float16))
+        at += stop - start
 
 
 @paddle.no_grad()
