@@ -339,10 +339,10 @@ class KernelGroup:
     on Paddle's multi-tensor AdamW kernel (``fused_adam_``: decoupled weight decay, bias correction
     from the given beta^t, one pass in C++ where HostGroup's numpy makes some 25). One call per set
     of tensors sharing (lr, weight decay, beta1, beta2, epsilon). 16-bit moments are widened into
-    float32 scratch and rounded back in numpy, _SCRATCH elements at a time, with HostGroup's rounding
-    and random streams (SFC64 keyed by ``random_key`` + (output,), over the group's elements in
-    order). The arithmetic is AdamW's but not the Triton kernel's rounding for rounding (Paddle folds
-    the bias corrections into the step size and epsilon). ``describes`` as HostGroup's."""
+    float32 scratch and rounded back in numpy, _SCRATCH elements at a time, from SFC64 streams keyed
+    by ``random_key`` + (output,) over the group's elements in order, as HostGroup's. The arithmetic
+    is AdamW's, not the Triton kernel's rounding for rounding (Paddle folds the bias corrections
+    into the step size and epsilon). ``describes`` as HostGroup's."""
 
     def __init__(self, params: Sequence[paddle.Tensor], exp_avgs: Sequence[paddle.Tensor],
                  exp_avg_sqs: Sequence[paddle.Tensor]):
@@ -355,22 +355,22 @@ class KernelGroup:
         self._moment_dtypes = dtypes[1:]
         self._addresses = HostGroup._addresses_of(self._lists)
         narrow = [dtype in _SIXTEEN_BIT for dtype in self._moment_dtypes]
-        # chunks of pieces (tensor index, start, stop); float32 moments need no scratch: one chunk of
-        # whole tensors
-        block = _SCRATCH if any(narrow) else max(1, sum(self.sizes))
-        self._chunks = list(_block_pieces(self.sizes, block))
-        n_pieces = sum(len(pieces) for pieces in self._chunks)
-        self._piece_tensor = np.array([i for pieces in self._chunks for i, _, _ in pieces], dtype=np.intp)
-        # per piece: learning rate, beta1^t, beta2^t, read by the kernel from these [1] tensors
-        self._scalars = np.zeros((n_pieces, 3), np.float32)
-        self._scalar_tensors = [[_tensor_over(self._scalars[k, j:j + 1]) for j in range(3)] for k in range(n_pieces)]
-        self._moment_views = [[_flat(t, dtype) for t in ts] for ts, dtype in zip(self._lists[1:], self._moment_dtypes)]
+        # float32 moments need no scratch: then one chunk of whole tensors
+        self._chunks = list(_block_pieces(self.sizes, _SCRATCH if any(narrow) else max(1, sum(self.sizes))))
+        pieces = [piece for chunk in self._chunks for piece in chunk]
+        self._piece_tensor = np.array([i for i, _, _ in pieces], dtype=np.intp)
+        # per piece: learning rate, beta1^t, beta2^t, which the kernel reads from [1] tensors on these
+        self._scalars = np.zeros((len(pieces), 3), np.float32)
+        scalar_tensors = [[_tensor_over(self._scalars[k, j:j + 1]) for j in range(3)] for k in range(len(pieces))]
         self._scratch = [np.empty(min(sum(self.sizes), _SCRATCH) if wide else 0, np.float32) for wide in narrow]
+        moment_views = [[_flat(t, dtype) for t in ts] for ts, dtype in zip(self._lists[1:], self._moment_dtypes)]
         param_views = [_flat(p, "float32") for p in params]
-        self._pieces = []  # per chunk: [(tensor index, start, stop, param, exp_avg, exp_avg_sq)]
-        for pieces in self._chunks:
-            at, entries = 0, []
-            for i, start, stop in pieces:
+        # per chunk: its pieces, their kernel arguments (param, moments, beta powers; grads come per
+        # step), and per 16-bit moment the (moment view, scratch view) pairs of its pieces
+        self._plans, first = [], 0
+        for chunk in self._chunks:
+            at, entries, pairs = 0, [], [[] for _ in narrow]
+            for n, (i, start, stop) in enumerate(chunk):
                 whole = start == 0 and stop == self.sizes[i]
                 param = params[i] if whole else _tensor_over(param_views[i][start:stop])
                 moments = []
@@ -378,11 +378,15 @@ class KernelGroup:
                     if narrow[k]:
                         view = self._scratch[k][at:at + stop - start]
                         moments.append(_tensor_over(view.reshape(param.shape) if whole else view))
-                    else:  # whole tensors (one chunk)
+                        pairs[k].append((moment_views[k][i][start:stop], view.view(np.uint32)))
+                    else:  # (whole tensors: one chunk)
                         moments.append(ts[i])
-                entries.append((i, start, stop, param, *moments))
+                entries.append((i, None if whole else (start, stop), param, *moments, scalar_tensors[first + n]))
                 at += stop - start
-            self._pieces.append(entries)
+            self._plans.append((chunk, at, entries, pairs))
+            first += len(chunk)
+        self._moment_views = moment_views
+        self._sets_for: dict = {}
 
     def describes(self, params, exp_avgs, exp_avg_sqs, masters) -> bool:
         lists = (params, exp_avgs, exp_avg_sqs)
@@ -390,13 +394,29 @@ class KernelGroup:
             len(ts) == len(held) and all(t is h for t, h in zip(ts, held)) for ts, held in zip(lists, self._lists)) \
             and HostGroup._addresses_of(lists) == self._addresses
 
+    def _sets(self, table: np.ndarray) -> list:
+        """Per chunk, its pieces grouped by their tensors' (lr, decay, beta1, beta2, epsilon):
+        [(those five, [entry index])]; kept per distinct table (schedulers change lr each step)."""
+        key = table[:, :5].tobytes()
+        sets = self._sets_for.get(key)
+        if sets is None:
+            rows = [tuple(row) for row in table[:, :5].tolist()]
+            sets = []
+            for _, _, entries, _ in self._plans:
+                members: dict = {}
+                for n, entry in enumerate(entries):
+                    members.setdefault(rows[entry[0]], []).append(n)
+                sets.append(list(members.items()))
+            self._sets_for = {key: sets}  # (only the latest: a scheduler's tables never repeat)
+        return sets
+
     def step(self, grads: Sequence[paddle.Tensor], table: np.ndarray, stochastic_rounding: bool = False,
              random_key: Sequence[int] = (0, 0)) -> None:
         """One AdamW step with float32 ``grads`` (CPU, the params' numbers of elements; any strides).
         ``table``: float32 [n, 7], row i tensor i's (lr, weight decay, beta1, beta2, epsilon,
         beta1^t, beta2^t) of this step."""
         if len(grads) != len(self.sizes):
-            raise ValueError(f"adamw_multi_tensor_ref: expected {len(self.sizes)} grads, got {len(grads)}")
+            raise ValueError(f"KernelGroup: expected {len(self.sizes)} grads, got {len(grads)}")
         grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
         if _check_list("grads", grads, self.sizes) != "float32":
             raise ValueError("KernelGroup: expected float32 grads")
@@ -404,46 +424,51 @@ class KernelGroup:
         if table.shape != (len(self.sizes), 7):
             raise ValueError(f"KernelGroup: table: expected shape [{len(self.sizes)}, 7], got {list(table.shape)}")
         self._scalars[:] = table[self._piece_tensor][:, [0, 5, 6]]
-        keys = [tuple(row) for row in table[:, :5].tolist()]
         rng = [_bit_generator(tuple(random_key) + (k,)) if stochastic_rounding and scratch.size else None
                for k, scratch in enumerate(self._scratch)]
-        first = 0  # index of the chunk's first piece in _scalars
-        for pieces, entries in zip(self._chunks, self._pieces):
-            size = sum(stop - start for _, start, stop in pieces)
+        for (chunk, size, entries, pairs), sets in zip(self._plans, self._sets(table)):
             for k, scratch in enumerate(self._scratch):
                 if scratch.size:
-                    _widen_into(self._moment_views[k], pieces, self._moment_dtypes[k], scratch[:size])
-            sets = {}
-            for n, (i, start, stop, param, exp_avg, exp_avg_sq) in enumerate(entries):
-                whole = start == 0 and stop == self.sizes[i]
-                grad = grads[i] if whole else grads[i].reshape([-1])[start:stop]
-                members = sets.setdefault(keys[i], ([], [], [], [], [], [], first + n))
-                for column, value in zip(members, (param, grad, exp_avg, exp_avg_sq,
-                                                   self._scalar_tensors[first + n][1],
-                                                   self._scalar_tensors[first + n][2])):
-                    column.append(value)
-            for (lr, weight_decay, beta1, beta2, epsilon), members in sets.items():
-                ps, gs, ms, vs, b1ps, b2ps, lead = members
+                    _widen(pairs[k], self._moment_dtypes[k], scratch[:size])
+            for (_, weight_decay, beta1, beta2, epsilon), members in sets:
+                picked = [entries[n] for n in members]
+                gs = [grads[i] if piece is None else grads[i].reshape([-1])[piece[0]:piece[1]]
+                      for i, piece, *_ in picked]
                 # (chunk_size: the GPU kernel's launch granularity; use_adamw; no multi_precision;
                 # use_global_beta_pow: the optimizer keeps beta^t, the kernel reads it)
-                _C_ops.fused_adam_(ps, gs, self._scalar_tensors[lead][0], ms, vs, None, b1ps, b2ps, None, None,
-                                   beta1, beta2, epsilon, 65536, weight_decay, True, False, True, False)
+                _C_ops.fused_adam_([e[2] for e in picked], gs, picked[0][5][0], [e[3] for e in picked],
+                                   [e[4] for e in picked], None, [e[5][1] for e in picked], [e[5][2] for e in picked],
+                                   None, None, beta1, beta2, epsilon, 65536, weight_decay, True, False, True, False)
             for k, scratch in enumerate(self._scratch):
                 if scratch.size:
-                    _store(scratch[:size], self._moment_views[k], pieces, self._moment_dtypes[k], rng[k], False)
-            first += len(pieces)
+                    _narrow(scratch[:size], pairs[k], self._moment_views[k], chunk, self._moment_dtypes[k], rng[k])
 
 
-def _widen_into(views: Sequence[np.ndarray], pieces, dtype: str, out: np.ndarray) -> None:
-    """A chunk's 16-bit values (bit patterns in ``views``) as float32 into ``out``."""
-    at = 0
-    for i, start, stop in pieces:
-        part = out[at:at + stop - start]
+def _widen(pairs, dtype: str, out: np.ndarray) -> None:
+    """16-bit values (bit patterns) into float32 scratch ``out``: (source view, scratch view as
+    uint32) pairs, one copy each (numpy's call overhead is per piece, the shift per chunk)."""
+    for bits, part in pairs:
         if dtype == "bfloat16":
-            np.left_shift(views[i][start:stop], 16, out=part.view(np.uint32), dtype=np.uint32)
+            part[:] = bits
         else:
-            np.copyto(part, views[i][start:stop].view(np.float16))
-        at += stop - start
+            np.copyto(part.view(np.float32), bits.view(np.float16))
+    if dtype == "bfloat16":
+        np.left_shift(out.view(np.uint32), 16, out=out.view(np.uint32))
+
+
+def _narrow(values: np.ndarray, pairs, views, pieces, dtype: str, rng: Optional[np.random.SFC64]) -> None:
+    """float32 scratch ``values`` back into the 16-bit tensors, rounded (stochastically when ``rng``).
+    bfloat16 without NaN, inf or values beyond the largest finite: adding the draw to the dropped 16
+    bits carries into the kept ones with probability (dropped bits) / 2^16, unbiased; in place, then
+    each piece's high halves copied out. Else ``_store``'s rounding."""
+    if rng is not None and dtype == "bfloat16" and values.max() < _BF16_EDGE and values.min() > -_BF16_EDGE:
+        bits = values.view(np.uint32)
+        np.add(bits, _random16(rng, values.size), out=bits)
+        np.right_shift(bits, 16, out=bits)
+        for out, part in pairs:
+            np.copyto(out, part, casting="unsafe")
+        return
+    _store(values, views, pieces, dtype, rng, False)
 
 
 @paddle.no_grad()
