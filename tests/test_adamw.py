@@ -490,6 +490,29 @@ def test_kernel_group_matches_float64(moment_dtype, scratch, monkeypatch):
         grads = [randn(g.shape, scale=0.3) for g in grads]
 
 
+@pytest.mark.parametrize("scratch", [1 << 20, 4096], ids=["one chunk", "chunks across tensors"])
+def test_kernel_group_stochastic_rounding_is_unbiased(scratch, monkeypatch):
+    """bf16 moments rounded stochastically on the kernel path: every moment lands on one of the two
+    bf16 neighbours of the float32 value Paddle's kernel computes, both occur, and the mean is that
+    value within 5 standard errors; over tensors that chunks of ``scratch`` elements cut."""
+    monkeypatch.setattr(adamw_reference, "_SCRATCH", scratch)
+    sizes = [3000, 7001, 5]
+    x_true = 1 / 3  # m after one step from 0 with g = x_true / (1 - beta1): not representable
+    grads = [paddle.full([n], x_true / 0.1, dtype="float32") for n in sizes]
+    params = [paddle.full([n], 0.7, dtype="float32") for n in sizes]
+    moments = [[paddle.zeros([n], "bfloat16") for n in sizes] for _ in range(2)]
+    table = np.tile(np.array([[1e-3, 0.0, 0.9, 0.999, 1e-8, 0.9, 0.999]], np.float32), (len(sizes), 1))
+    KernelGroup(params, *moments).step(grads, table, stochastic_rounding=True, random_key=(7, 1, 0))
+    g = np.float32(x_true / 0.1)
+    m32 = (np.float32(1) - np.float32(0.9)) * g  # Paddle's kernel: (1 - beta1) g, (1 - beta2) g g
+    v32 = (np.float32(1) - np.float32(0.999)) * g * g
+    for name, got, exact in (("exp_avg", moments[0], m32), ("exp_avg_sq", moments[1], v32)):
+        values = np.concatenate([to64(t) for t in got])
+        lo, hi = np.unique(values)
+        assert lo < exact < hi, f"{name}: {lo}, {hi} do not bracket {exact}"
+        assert abs(values.mean() - exact) < 5 * (hi - lo) / 2 / np.sqrt(values.size), f"{name}: mean {values.mean()}"
+
+
 def test_kernel_group_stochastic_rounding_follows_the_key():
     """bf16 moments rounded stochastically on the kernel path: the same random key gives the same
     moments bit for bit, another key other ones; a NaN gradient reaches the parameter."""
