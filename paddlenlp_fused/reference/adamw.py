@@ -17,6 +17,12 @@ numpy's float32 sqrt and division are correctly rounded, as the kernel's are in 
 16-bit values travel as their bit patterns (numpy has no bfloat16). The blocks run over the group's
 elements in order, across tensor boundaries: the host cost of a model of many small tensors is
 per block, not per tensor (as the kernel's launch is per group).
+
+``KernelGroup`` is FusedAdamW's CPU step where that exact arithmetic is not needed and Paddle has a
+kernel: float32 params and grads (no masters) go through Paddle's own multi-tensor AdamW
+(``fused_adam_``, one C++ pass an element, where the numpy update makes some 25), its 16-bit
+moments through float32 scratch with the same stochastic rounding. AdamW's update within float32
+rounding, not the Triton kernel's bits.
 """
 
 from __future__ import annotations
