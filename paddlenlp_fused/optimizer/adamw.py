@@ -168,7 +168,7 @@ class FusedAdamW(Optimizer):
         self._seed = int(paddle.base.core.default_cpu_generator().initial_seed()) & 0xFFFFFFFF
         self._chunk_tables: Dict[tuple, tuple] = {}
         self._offset_tables: Dict[tuple, tuple] = {}
-        self._host_groups: Dict[tuple, HostGroup] = {}
+        self._host_groups: Dict[tuple, HostGroup | KernelGroup] = {}
         for param in self._all_params():
             if T.dtype_name(param) not in T.FLOAT_DTYPES:
                 raise TypeError(f"parameters: expected dtypes in {list(T.FLOAT_DTYPES)}, got {T.dtype_name(param)} "

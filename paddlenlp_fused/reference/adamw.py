@@ -337,7 +337,7 @@ _SCRATCH = 1 << 20
 
 def _tensor_over(array: np.ndarray) -> paddle.Tensor:
     """A Paddle tensor on ``array``'s memory (zero-copy; it keeps the array alive)."""
-    return paddle.from_dlpack(array)
+    return paddle.utils.dlpack.from_dlpack(array.__dlpack__())
 
 
 class KernelGroup:
