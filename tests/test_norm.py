@@ -50,6 +50,32 @@ def test_layer_norm_matches_paddle_float64(shape, dtype, backend):
     _check_grads("layer_norm", grads, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["frozen weight", "frozen bias", "frozen both", "dx alone"])
+def test_layer_norm_reference_dx_with_frozen_parameters_matches_float64(case, dtype):
+    """The weight and bias still scale / shift dx where their gradients are not computed (Paddle
+    3.3's CPU layer_norm_grad leaves a weight whose gradient is not asked for out of x's gradient;
+    the float64 side is a composition)."""
+    N = 40
+    x = randn((6, N), dtype, requires_grad=True)
+    w = randn((N,), dtype, requires_grad=case in ("frozen bias", "dx alone"))
+    b = randn((N,), dtype, requires_grad=case in ("frozen weight", "dx alone"))
+    y = layer_norm_fn(x, w, b, eps=1e-5, backend="reference")
+    dy = randn(y.shape, dtype)
+    if case == "dx alone":
+        (dx,) = paddle.grad(y, [x], dy)
+    else:
+        (y.astype("float32") * dy.astype("float32")).sum().backward()
+        dx = x.grad
+
+    x64 = as_leaf64(x)
+    centred = x64 - x64.mean(axis=-1, keepdim=True)
+    y64 = centred * paddle.rsqrt((centred * centred).mean(axis=-1, keepdim=True) + 1e-5) * to64(w) + to64(b)
+    (dx64,) = paddle.grad(y64, [x64], paddle.to_tensor(to64(dy)))
+    assert_close("layer_norm y", to64(y), y64.numpy(), dtype)
+    assert_close("layer_norm dx", to64(dx), dx64.numpy(), dtype)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("weight_offset", [0.0, 1.0])
 @pytest.mark.parametrize("dtype,weight_dtype", [("float32", "float32"), ("float16", "float16"),

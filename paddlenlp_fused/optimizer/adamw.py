@@ -35,7 +35,7 @@ from paddle.optimizer.lr import LambdaDecay, LRScheduler
 from ..kernels.triton.adamw import (MOMENT_DTYPES, adamw_multi_tensor, check_group, hyper_table, offsets_table,
                                     plan_chunks, step_seed, table_aligned)
 from ..ops._checks import check_eps
-from ..reference.adamw import HostGroup, adamw_multi_tensor_ref
+from ..reference.adamw import HostGroup, KernelGroup, adamw_multi_tensor_ref
 from ..runtime import tensor as T
 from ..runtime.backend import BACKENDS, BackendUnavailableError, resolve_backend
 from ..runtime.triton_paddle import triton_args, triton_scoped
@@ -168,7 +168,7 @@ class FusedAdamW(Optimizer):
         self._seed = int(paddle.base.core.default_cpu_generator().initial_seed()) & 0xFFFFFFFF
         self._chunk_tables: Dict[tuple, tuple] = {}
         self._offset_tables: Dict[tuple, tuple] = {}
-        self._host_groups: Dict[tuple, HostGroup] = {}
+        self._host_groups: Dict[tuple, HostGroup | KernelGroup] = {}
         for param in self._all_params():
             if T.dtype_name(param) not in T.FLOAT_DTYPES:
                 raise TypeError(f"parameters: expected dtypes in {list(T.FLOAT_DTYPES)}, got {T.dtype_name(param)} "
@@ -368,13 +368,12 @@ class FusedAdamW(Optimizer):
             hyper.append((param_lr, group["weight_decay"] if decays else 0.0, group["beta1"], group["beta2"],
                           group["epsilon"], state.beta1_pow, state.beta2_pow))
         table = np.array(hyper, dtype=np.float32)  # the values as float32, as Paddle holds them
-        rows = hyper_table(table)
         backend = resolve_backend("FusedAdamW", self._backend, T.device_kind(work[0][0]),
                                   implemented=IMPLEMENTED)
         if backend == "reference":
-            self._step_reference(work, states, rows)
+            self._step_reference(work, states, table)
         else:
-            self._step_triton(work, states, rows)
+            self._step_triton(work, states, hyper_table(table))
         # beta^t of the next step, float32 products as Paddle's accumulators
         for state, beta1_pow, beta2_pow in zip(states, table[:, 5] * table[:, 2], table[:, 6] * table[:, 3]):
             state.beta1_pow, state.beta2_pow = beta1_pow, beta2_pow
@@ -387,10 +386,11 @@ class FusedAdamW(Optimizer):
             groups.setdefault((param.dtype, grad.dtype, state.master is not None), []).append(i)
         return groups
 
-    def _step_reference(self, work, states, rows) -> None:
-        """One reference call per dtype group, its random streams keyed by the step and the group. CPU
-        groups keep their ``HostGroup`` (checked tensors and their views) from step to step while it
-        still describes them."""
+    def _step_reference(self, work, states, table) -> None:
+        """One host update per dtype group, its random streams keyed by the step and the group. CPU
+        groups keep their ``KernelGroup`` (float32 params and grads, no masters: Paddle's AdamW
+        kernel) or ``HostGroup`` (numpy) from step to step while it still describes them; groups on
+        other places go through host copies."""
         for index, (kind, members) in enumerate(self._dtype_groups(work, states).items()):
             params = [work[i][0] for i in members]
             grads = [work[i][1] for i in members]
@@ -401,12 +401,15 @@ class FusedAdamW(Optimizer):
             group = self._host_groups.get(kind)
             if group is None or not group.describes(params, exp_avgs, exp_avg_sqs, masters):
                 # (tensors that moved to another place have other addresses: checked again here)
-                if not all(p.place.is_cpu_place() for p in params):  # through host copies
-                    adamw_multi_tensor_ref(params, grads, exp_avgs, exp_avg_sqs, masters, rows[members],
+                if not all(p.place.is_cpu_place() for p in params):
+                    adamw_multi_tensor_ref(params, grads, exp_avgs, exp_avg_sqs, masters, hyper_table(table[members]),
                                            self._stochastic_rounding, random_key)
                     continue
-                group = self._host_groups[kind] = HostGroup(params, exp_avgs, exp_avg_sqs, masters)
-            group.step(grads, rows[members], self._stochastic_rounding, random_key)
+                on_kernel = kind[0] == paddle.float32 and kind[1] == paddle.float32 and not kind[2]
+                group = self._host_groups[kind] = KernelGroup(params, exp_avgs, exp_avg_sqs) if on_kernel else \
+                    HostGroup(params, exp_avgs, exp_avg_sqs, masters)
+            group.step(grads, table[members] if isinstance(group, KernelGroup) else hyper_table(table[members]),
+                       self._stochastic_rounding, random_key)
 
     @triton_scoped
     def _step_triton(self, work, states, rows) -> None:

@@ -17,6 +17,12 @@ numpy's float32 sqrt and division are correctly rounded, as the kernel's are in 
 16-bit values travel as their bit patterns (numpy has no bfloat16). The blocks run over the group's
 elements in order, across tensor boundaries: the host cost of a model of many small tensors is
 per block, not per tensor (as the kernel's launch is per group).
+
+``KernelGroup`` is FusedAdamW's CPU step where that exact arithmetic is not needed and Paddle has a
+kernel: float32 params and grads (no masters) go through Paddle's own multi-tensor AdamW
+(``fused_adam_``, one C++ pass an element, where the numpy update makes some 25), its 16-bit
+moments through float32 scratch with the same stochastic rounding. AdamW's update within float32
+rounding, not the Triton kernel's bits.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 import paddle
+from paddle import _C_ops
 
 _SIXTEEN_BIT = ("float16", "bfloat16")
 _BF16_NAN = np.uint16(0x7FC0)
@@ -153,10 +160,10 @@ def _round_into(values: np.ndarray, dtype: str, rng: Optional[np.random.SFC64], 
 _BLOCK = 1 << 15
 
 
-def _block_pieces(sizes: Sequence[int]):
-    """The group's elements in order cut into blocks of _BLOCK: for each block, its pieces
+def _block_pieces(sizes: Sequence[int], block: int = _BLOCK):
+    """The group's elements in order cut into blocks of ``block``: for each block, its pieces
     (tensor index, start, stop) within the tensors it covers."""
-    pieces, room = [], _BLOCK
+    pieces, room = [], block
     for i, size in enumerate(sizes):
         start = 0
         while start < size:
@@ -166,7 +173,7 @@ def _block_pieces(sizes: Sequence[int]):
             start = stop
             if room == 0:
                 yield pieces
-                pieces, room = [], _BLOCK
+                pieces, room = [], block
     if pieces:
         yield pieces
 
@@ -321,6 +328,153 @@ class HostGroup:
             _store(w, w_views, pieces, w_dtype, rng[2], whole and w_dtype == "float32")
             if has_master:
                 _store(w, p_views, pieces, p_dtype, None, False)
+
+
+# Elements of 16-bit moments KernelGroup widens to float32 at a time: its scratch (two such arrays)
+# stays bounded whatever the group's size. A multiple of 4, so random streams continue across chunks.
+_SCRATCH = 1 << 20
+
+
+def _tensor_over(array: np.ndarray) -> paddle.Tensor:
+    """A Paddle tensor on ``array``'s memory (zero-copy; it keeps the array alive)."""
+    return paddle.utils.dlpack.from_dlpack(array.__dlpack__())
+
+
+class KernelGroup:
+    """FusedAdamW's update of a group of float32 CPU params with float32 grads and no master weights,
+    on Paddle's multi-tensor AdamW kernel (``fused_adam_``: decoupled weight decay, bias correction
+    from the given beta^t, one pass in C++ where HostGroup's numpy makes some 25). One call per set
+    of tensors sharing (lr, weight decay, beta1, beta2, epsilon). 16-bit moments are widened into
+    float32 scratch and rounded back in numpy, _SCRATCH elements at a time, from SFC64 streams keyed
+    by ``random_key`` + (output,) over the group's elements in order, as HostGroup's. The arithmetic
+    is AdamW's, not the Triton kernel's rounding for rounding (Paddle folds the bias corrections
+    into the step size and epsilon). ``describes`` as HostGroup's."""
+
+    def __init__(self, params: Sequence[paddle.Tensor], exp_avgs: Sequence[paddle.Tensor],
+                 exp_avg_sqs: Sequence[paddle.Tensor]):
+        self._lists = (list(params), list(exp_avgs), list(exp_avg_sqs))
+        self.sizes = [_numel(p) for p in params]
+        dtypes = [_check_list(name, ts, self.sizes)
+                  for name, ts in zip(("params", "exp_avgs", "exp_avg_sqs"), self._lists)]
+        if dtypes[0] != "float32":
+            raise ValueError(f"KernelGroup: expected float32 params, got {dtypes[0]}")
+        self._moment_dtypes = dtypes[1:]
+        self._addresses = HostGroup._addresses_of(self._lists)
+        narrow = [dtype in _SIXTEEN_BIT for dtype in self._moment_dtypes]
+        # float32 moments need no scratch: then one chunk of whole tensors
+        self._chunks = list(_block_pieces(self.sizes, _SCRATCH if any(narrow) else max(1, sum(self.sizes))))
+        pieces = [piece for chunk in self._chunks for piece in chunk]
+        self._piece_tensor = np.array([i for i, _, _ in pieces], dtype=np.intp)
+        # per piece: learning rate, beta1^t, beta2^t, which the kernel reads from [1] tensors on these
+        self._scalars = np.zeros((len(pieces), 3), np.float32)
+        scalar_tensors = [[_tensor_over(self._scalars[k, j:j + 1]) for j in range(3)] for k in range(len(pieces))]
+        self._scratch = [np.empty(min(sum(self.sizes), _SCRATCH) if wide else 0, np.float32) for wide in narrow]
+        moment_views = [[_flat(t, dtype) for t in ts] for ts, dtype in zip(self._lists[1:], self._moment_dtypes)]
+        param_views = [_flat(p, "float32") for p in params]
+        # per chunk: its pieces, their kernel arguments (param, moments, beta powers; grads come per
+        # step), and per 16-bit moment the (moment view, scratch view) pairs of its pieces
+        self._plans, first = [], 0
+        for chunk in self._chunks:
+            at, entries, pairs = 0, [], [[] for _ in narrow]
+            for n, (i, start, stop) in enumerate(chunk):
+                whole = start == 0 and stop == self.sizes[i]
+                param = params[i] if whole else _tensor_over(param_views[i][start:stop])
+                moments = []
+                for k, ts in enumerate(self._lists[1:]):
+                    if narrow[k]:
+                        view = self._scratch[k][at:at + stop - start]
+                        moments.append(_tensor_over(view.reshape(param.shape) if whole else view))
+                        pairs[k].append((moment_views[k][i][start:stop], view.view(np.uint32)))
+                    else:  # (whole tensors: one chunk)
+                        moments.append(ts[i])
+                entries.append((i, None if whole else (start, stop), param, *moments, scalar_tensors[first + n]))
+                at += stop - start
+            self._plans.append((chunk, at, entries, pairs))
+            first += len(chunk)
+        self._moment_views = moment_views
+        self._sets_for: dict = {}
+
+    def describes(self, params, exp_avgs, exp_avg_sqs, masters) -> bool:
+        lists = (params, exp_avgs, exp_avg_sqs)
+        return masters is None and all(
+            len(ts) == len(held) and all(t is h for t, h in zip(ts, held)) for ts, held in zip(lists, self._lists)) \
+            and HostGroup._addresses_of(lists) == self._addresses
+
+    def _sets(self, table: np.ndarray) -> list:
+        """Per chunk, its pieces grouped by their tensors' (lr, decay, beta1, beta2, epsilon):
+        [(those five, [entry index])]; kept per distinct table (schedulers change lr each step)."""
+        key = table[:, :5].tobytes()
+        sets = self._sets_for.get(key)
+        if sets is None:
+            rows = [tuple(row) for row in table[:, :5].tolist()]
+            sets = []
+            for _, _, entries, _ in self._plans:
+                members: dict = {}
+                for n, entry in enumerate(entries):
+                    members.setdefault(rows[entry[0]], []).append(n)
+                sets.append(list(members.items()))
+            self._sets_for = {key: sets}  # (only the latest: a scheduler's tables never repeat)
+        return sets
+
+    def step(self, grads: Sequence[paddle.Tensor], table: np.ndarray, stochastic_rounding: bool = False,
+             random_key: Sequence[int] = (0, 0)) -> None:
+        """One AdamW step with float32 ``grads`` (CPU, the params' numbers of elements; any strides).
+        ``table``: float32 [n, 7], row i tensor i's (lr, weight decay, beta1, beta2, epsilon,
+        beta1^t, beta2^t) of this step."""
+        if len(grads) != len(self.sizes):
+            raise ValueError(f"KernelGroup: expected {len(self.sizes)} grads, got {len(grads)}")
+        grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+        if _check_list("grads", grads, self.sizes) != "float32":
+            raise ValueError("KernelGroup: expected float32 grads")
+        table = np.asarray(table, dtype=np.float32)
+        if table.shape != (len(self.sizes), 7):
+            raise ValueError(f"KernelGroup: table: expected shape [{len(self.sizes)}, 7], got {list(table.shape)}")
+        self._scalars[:] = table[self._piece_tensor][:, [0, 5, 6]]
+        rng = [_bit_generator(tuple(random_key) + (k,)) if stochastic_rounding and scratch.size else None
+               for k, scratch in enumerate(self._scratch)]
+        for (chunk, size, entries, pairs), sets in zip(self._plans, self._sets(table)):
+            for k, scratch in enumerate(self._scratch):
+                if scratch.size:
+                    _widen(pairs[k], self._moment_dtypes[k], scratch[:size])
+            for (_, weight_decay, beta1, beta2, epsilon), members in sets:
+                picked = [entries[n] for n in members]
+                gs = [grads[i] if piece is None else grads[i].reshape([-1])[piece[0]:piece[1]]
+                      for i, piece, *_ in picked]
+                # (chunk_size: the GPU kernel's launch granularity; use_adamw; no multi_precision;
+                # use_global_beta_pow: the optimizer keeps beta^t, the kernel reads it)
+                _C_ops.fused_adam_([e[2] for e in picked], gs, picked[0][5][0], [e[3] for e in picked],
+                                   [e[4] for e in picked], None, [e[5][1] for e in picked], [e[5][2] for e in picked],
+                                   None, None, beta1, beta2, epsilon, 65536, weight_decay, True, False, True, False)
+            for k, scratch in enumerate(self._scratch):
+                if scratch.size:
+                    _narrow(scratch[:size], pairs[k], self._moment_views[k], chunk, self._moment_dtypes[k], rng[k])
+
+
+def _widen(pairs, dtype: str, out: np.ndarray) -> None:
+    """16-bit values (bit patterns) into float32 scratch ``out``: (source view, scratch view as
+    uint32) pairs, one copy each (numpy's call overhead is per piece, the shift per chunk)."""
+    for bits, part in pairs:
+        if dtype == "bfloat16":
+            part[:] = bits
+        else:
+            np.copyto(part.view(np.float32), bits.view(np.float16))
+    if dtype == "bfloat16":
+        np.left_shift(out.view(np.uint32), 16, out=out.view(np.uint32))
+
+
+def _narrow(values: np.ndarray, pairs, views, pieces, dtype: str, rng: Optional[np.random.SFC64]) -> None:
+    """float32 scratch ``values`` back into the 16-bit tensors, rounded (stochastically when ``rng``).
+    bfloat16 without NaN, inf or values beyond the largest finite: adding the draw to the dropped 16
+    bits carries into the kept ones with probability (dropped bits) / 2^16, unbiased; in place, then
+    each piece's high halves copied out. Else ``_store``'s rounding."""
+    if rng is not None and dtype == "bfloat16" and values.max() < _BF16_EDGE and values.min() > -_BF16_EDGE:
+        bits = values.view(np.uint32)
+        np.add(bits, _random16(rng, values.size), out=bits)
+        np.right_shift(bits, 16, out=bits)
+        for out, part in pairs:
+            np.copyto(out, part, casting="unsafe")
+        return
+    _store(values, views, pieces, dtype, rng, False)
 
 
 @paddle.no_grad()

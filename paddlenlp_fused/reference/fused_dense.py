@@ -32,19 +32,12 @@ def activation_ref(h: paddle.Tensor, activation: str) -> paddle.Tensor:
 
 def fused_dense_ref(x: paddle.Tensor, weight: paddle.Tensor, bias=None) -> paddle.Tensor:
     """x [..., in] @ weight [in, out] + bias [out]."""
-    out = paddle.matmul(float32(x), float32(weight))
-    if bias is not None:
-        out = out + float32(bias)
-    return out.astype(x.dtype)
+    return F.linear(float32(x), float32(weight), None if bias is None else float32(bias)).astype(x.dtype)
 
 
 def fused_mlp_ref(x: paddle.Tensor, weight1: paddle.Tensor, weight2: paddle.Tensor, bias1=None, bias2=None,
                   activation: str = "gelu_approx") -> paddle.Tensor:
     """act(x @ weight1 + bias1) @ weight2 + bias2, all in float32, cast back to x's dtype."""
-    h = paddle.matmul(float32(x), float32(weight1))
-    if bias1 is not None:
-        h = h + float32(bias1)
-    out = paddle.matmul(activation_ref(h, activation), float32(weight2))
-    if bias2 is not None:
-        out = out + float32(bias2)
+    h = F.linear(float32(x), float32(weight1), None if bias1 is None else float32(bias1))
+    out = F.linear(activation_ref(h, activation), float32(weight2), None if bias2 is None else float32(bias2))
     return out.astype(x.dtype)

@@ -6,20 +6,16 @@ computation runs in float32 and casts back; autograd goes through the casts.
 
 from __future__ import annotations
 
-import math
-
 import paddle
 import paddle.nn.functional as F
 
 
 def gelu_tanh(a: paddle.Tensor) -> paddle.Tensor:
-    """Tanh-approximate GELU as a * sigmoid(2u), u = sqrt(2/pi) (a + 0.044715 a^3).
-
-    Equal to Paddle's 0.5 a (1 + tanh u), which cancels for negative a (fp32 relative error 3e-5
-    at a small output); the sigmoid form keeps full relative precision, like the Triton kernels.
-    """
-    u = math.sqrt(2.0 / math.pi) * (a + 0.044715 * a * a * a)
-    return a * F.sigmoid(2.0 * u)
+    """Tanh-approximate GELU, Paddle's ``gelu(approximate=True)`` kernel (one op forward and backward):
+    0.5 a (1 + tanh u), u = sqrt(2/pi) (a + 0.044715 a^3). That form cancels for a < -3, where the
+    output is tiny: its relative precision there is lost (the absolute error stays below 1e-7 of the
+    largest output over [-10, 10]), as in the plain composition that calls the same kernel."""
+    return F.gelu(a, approximate=True)
 
 
 GATE_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": gelu_tanh}

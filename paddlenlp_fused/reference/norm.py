@@ -59,12 +59,16 @@ def layer_norm_ref(x, weight, bias=None, residual=None, eps: float = 1e-5, preno
         if residual is not None:
             h32 = h32 + float32(residual)
         h = h32.astype(residual_dtype)
-    normed = _normalize(float32(h), eps, is_rms_norm)
+    h32 = float32(h)
+    # LayerNorm's statistics in Paddle's kernel, one op forward and backward; weight and bias outside
+    # it (Paddle 3.3's CPU layer_norm_grad leaves the weight out of x's gradient whenever the weight's
+    # own gradient is not asked for: a frozen weight, paddle.grad of x alone)
+    normed = _normalize(h32, eps, True) if is_rms_norm else F.layer_norm(h32, h32.shape[-1], epsilon=eps)
     outs = []
     for w, b in ((weight, bias), (weight1, bias1)):
         if w is None:
             continue
-        y = normed * (float32(w) + weight_offset)
+        y = normed * (float32(w) + weight_offset if weight_offset else float32(w))
         if b is not None:
             y = y + float32(b)
         outs.append(y.astype(out_dtype))
