@@ -11,7 +11,7 @@ import pytest
 from paddlenlp_fused.ops.ssd import mamba_chunk_scan_combined
 from paddlenlp_fused.reference.ssd import selective_state_update_multihead_ref, ssd_chunked_ref, ssd_recurrence_ref
 from paddlenlp_fused.runtime.backend import BackendUnavailableError
-from paddlenlp_fused.testing.numerics import assert_close, assert_close_to_terms
+from paddlenlp_fused.testing.numerics import UNIT_ROUNDOFF, assert_close, assert_close_to_terms
 from helpers import as_leaf64, randn, to64
 
 BATCH, SEQLEN, NHEADS, HEADDIM, DSTATE = 2, 19, 4, 3, 5
@@ -62,8 +62,16 @@ def _numpy_recurrence(a, softplus, limit):
     return (ys + Dx * x) * z / (1 + np.exp(-z)), h
 
 
-def _check_grads(outs, ins, outs64, ins64, names, dtype="float32", compare=None):
-    """Gradients of <y, dy> + <final, dfinal> in both graphs agree for every name (or those in ``compare``)."""
+# the Triton backward's 16-bit path rounds the operands of its GEMMs and its stored states to the
+# dtype, as mamba_ssm's does: the plain computation's error is that chain's, not one rounding's. A dB
+# element of a sum that does not cancel came out 2.9 units of roundoff off (float16; the reference,
+# float32 inside, 1.0), 1.23x the one-rounding bound in 1 of 25 draws
+TRITON_CHAIN_ROUNDINGS = 3
+
+
+def _check_grads(outs, ins, outs64, ins64, names, dtype="float32", compare=None, baseline=None):
+    """Gradients of <y, dy> + <final, dfinal> in both graphs agree for every name (or those in
+    ``compare``); ``baseline``: the plain computation's error in a 16-bit ``dtype`` (DESIGN.md)."""
     cot = [randn(o.shape) for o in outs]
     grads = paddle.grad(outs, [ins[n] for n in names], [c.astype(o.dtype) for c, o in zip(cot, outs)])
     grads64 = paddle.grad(outs64, [ins64[n] for n in names], [paddle.to_tensor(to64(c)) for c in cot])
@@ -76,7 +84,11 @@ def _check_grads(outs, ins, outs64, ins64, names, dtype="float32", compare=None)
             terms = g64.numpy()
             assert_close_to_terms("dA", to64(g), terms.sum((0, 1)), np.abs(terms).sum((0, 1)), dtype)
         else:
-            assert_close(f"d{n}", to64(g), g64.numpy(), dtype)
+            assert_close(f"d{n}", to64(g), g64.numpy(), dtype, baseline_err=baseline)
+
+
+def _chain_baseline(backend, dtype):
+    return TRITON_CHAIN_ROUNDINGS * UNIT_ROUNDOFF[dtype] if backend == "triton" else None
 
 
 @pytest.mark.parametrize("ngroups,d_shape,chunk,softplus,limit", [
@@ -194,7 +206,8 @@ def test_low_precision_inputs_compute_in_float32(dtype, backend):
     # wants None returned for the leaves left out); compared for the per-token ones: dA, dD, ddt_bias and
     # dinitial_states sum cancelling terms over every token, so their relative error from a 16-bit
     # cotangent exceeds the dtype's bound for the reference just as for the kernels
-    _check_grads([y], a, [y64], a64, GRAD_NAMES, dtype, compare=("x", "dt", "B", "C", "z"))
+    _check_grads([y], a, [y64], a64, GRAD_NAMES, dtype, compare=("x", "dt", "B", "C", "z"),
+                 baseline=_chain_baseline(backend, dtype))
 
 
 def test_bad_input_raises_clear_errors():
@@ -448,7 +461,7 @@ def test_state_dtype_sets_the_stored_states(state_dtype, monkeypatch):
         # the per-token gradients; dA, dD, ddt_bias, dinitial_states sum cancelling terms over every token
         # (see test_low_precision_inputs_compute_in_float32)
         _check_grads([y, final], a, [y64, final64], a64, GRAD_NAMES, dtype="bfloat16",
-                     compare=("x", "dt", "B", "C", "z"))
+                     compare=("x", "dt", "B", "C", "z"), baseline=_chain_baseline(backend, "bfloat16"))
     assert seen == [paddle.float32 if state_dtype == "float32" else paddle.bfloat16]
 
 
