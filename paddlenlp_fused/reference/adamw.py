@@ -253,7 +253,23 @@ def _checked_hyper(hyper, n: int) -> np.ndarray:
     return hyper
 
 
-class HostGroup:
+class _HeldGroup:
+    """The tensor lists a prepared group holds (``_lists``: params, moments and, where held, masters)
+    and their addresses when prepared (``_addresses``)."""
+
+    @staticmethod
+    def _addresses_of(lists) -> list:
+        return [t.data_ptr() for ts in lists for t in ts]
+
+    def describes(self, params, exp_avgs, exp_avg_sqs, masters) -> bool:
+        """Whether the group still stands for these lists: the same tensors at the same addresses."""
+        lists = (params, exp_avgs, exp_avg_sqs) + ((masters,) if masters is not None else ())
+        return len(lists) == len(self._lists) and all(
+            len(ts) == len(held) and all(t is h for t, h in zip(ts, held)) for ts, held in zip(lists, self._lists)) \
+            and self._addresses_of(lists) == self._addresses
+
+
+class HostGroup(_HeldGroup):
     """``adamw_multi_tensor_ref``'s update of one group of CPU tensors, prepared for repeated steps:
     the params, moments and masters checked once and held with their flat numpy views and the
     group's blocks, so that a step costs the update rather than Python over the tensors. The views do
@@ -270,16 +286,6 @@ class HostGroup:
         self._views = [[_flat(t, dtype) for t in ts] for ts, dtype in zip(self._lists, self._dtypes)]
         self._addresses = self._addresses_of(self._lists)
         self._blocks = list(_block_pieces(self.sizes))
-
-    @staticmethod
-    def _addresses_of(lists) -> list:
-        return [t.data_ptr() for ts in lists for t in ts]
-
-    def describes(self, params, exp_avgs, exp_avg_sqs, masters) -> bool:
-        lists = (params, exp_avgs, exp_avg_sqs) + ((masters,) if masters is not None else ())
-        return len(lists) == len(self._lists) and all(
-            len(ts) == len(held) and all(t is h for t, h in zip(ts, held)) for ts, held in zip(lists, self._lists)) \
-            and self._addresses_of(lists) == self._addresses
 
     def step(self, grads: Sequence[paddle.Tensor], hyper: np.ndarray, stochastic_rounding: bool = False,
              random_key: Sequence[int] = (0, 0)) -> None:
@@ -340,7 +346,7 @@ def _tensor_over(array: np.ndarray) -> paddle.Tensor:
     return paddle.utils.dlpack.from_dlpack(array.__dlpack__())
 
 
-class KernelGroup:
+class KernelGroup(_HeldGroup):
     """FusedAdamW's update of a group of float32 CPU params with float32 grads and no master weights,
     on Paddle's multi-tensor AdamW kernel (``fused_adam_``: decoupled weight decay, bias correction
     from the given beta^t, one pass in C++ where HostGroup's numpy makes some 25). One call per set
@@ -359,7 +365,7 @@ class KernelGroup:
         if dtypes[0] != "float32":
             raise ValueError(f"KernelGroup: expected float32 params, got {dtypes[0]}")
         self._moment_dtypes = dtypes[1:]
-        self._addresses = HostGroup._addresses_of(self._lists)
+        self._addresses = self._addresses_of(self._lists)
         narrow = [dtype in _SIXTEEN_BIT for dtype in self._moment_dtypes]
         # float32 moments need no scratch: then one chunk of whole tensors
         self._chunks = list(_block_pieces(self.sizes, _SCRATCH if any(narrow) else max(1, sum(self.sizes))))
@@ -393,12 +399,6 @@ class KernelGroup:
             first += len(chunk)
         self._moment_views = moment_views
         self._sets_for: dict = {}
-
-    def describes(self, params, exp_avgs, exp_avg_sqs, masters) -> bool:
-        lists = (params, exp_avgs, exp_avg_sqs)
-        return masters is None and all(
-            len(ts) == len(held) and all(t is h for t, h in zip(ts, held)) for ts, held in zip(lists, self._lists)) \
-            and HostGroup._addresses_of(lists) == self._addresses
 
     def _sets(self, table: np.ndarray) -> list:
         """Per chunk, its pieces grouped by their tensors' (lr, decay, beta1, beta2, epsilon):
