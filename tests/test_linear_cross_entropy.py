@@ -30,9 +30,10 @@ BACKENDS = ("triton", "reference")
 _NP = {"float32": (np.float32, 4), "float16": (np.float16, 2), "bfloat16": (np.uint16, 2)}
 
 
-def _host_matrix(t, offset, rows, cols, ld):
-    """A writable numpy view of rows x cols elements (row stride ld) at ``offset`` of a CPU tensor."""
-    dtype = str(t.dtype).rsplit(".", 1)[-1]
+def _host_matrix(t, offset, rows, cols, ld, dtype=None):
+    """A writable numpy view of rows x cols elements (row stride ld) at ``offset`` of a CPU tensor, read
+    as ``dtype`` (default its own)."""
+    dtype = dtype or str(t.dtype).rsplit(".", 1)[-1]
     np_dtype, size = _NP[dtype]
     count = (rows - 1) * ld + cols
     buf = (ctypes.c_char * (count * size)).from_address(t.data_ptr() + offset * size)
@@ -55,10 +56,11 @@ def _store(view, values, dtype):
 
 
 def host_gemm(a, b, d, *, m, n, k, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, a_offset=0, b_offset=0,
-              d_offset=0, lda, ldb, ldd):
-    """kernels/cuda/gemm.gemm's contract in float64 on host memory: D = alpha op(A) op(B) + beta D."""
-    av, adt = _host_matrix(a, a_offset, *((k, m) if trans_a else (m, k)), lda)
-    bv, bdt = _host_matrix(b, b_offset, *((n, k) if trans_b else (k, n)), ldb)
+              d_offset=0, lda, ldb, ldd, heuristic=0, a_dtype=None, b_dtype=None):
+    """kernels/cuda/gemm.gemm's contract in float64 on host memory: D = alpha op(A) op(B) + beta D
+    (``heuristic``, cuBLASLt's choice of algorithm, changes nothing here)."""
+    av, adt = _host_matrix(a, a_offset, *((k, m) if trans_a else (m, k)), lda, a_dtype)
+    bv, bdt = _host_matrix(b, b_offset, *((n, k) if trans_b else (k, n)), ldb, b_dtype)
     dv, ddt = _host_matrix(d, d_offset, m, n, ldd)
     a64, b64 = _to64(av, adt), _to64(bv, bdt)
     out = alpha * ((a64.T if trans_a else a64) @ (b64.T if trans_b else b64))
@@ -78,7 +80,7 @@ def _path_stand_in(monkeypatch, backend):
         return backend, {}
     monkeypatch.setattr(lce_ops, "_choose_backend", lambda *args: "cuda")
     monkeypatch.setattr(lce_ops, "_gemm_for", lambda like, nbytes=None: host_gemm)
-    bound = (K.GEMM_WORKSPACE[0] + 12000) / 2**30  # a few blocks of tokens at these sizes
+    bound = (K.tuning.GEMM_WORKSPACE[0] + 12000) / 2**30  # a few blocks of tokens at these sizes
     return "auto", ({"max_workspace_gib": bound} if backend == "cuda-bounded" else {"vocab_chunk": 64})
 
 
@@ -346,10 +348,12 @@ def test_launchers_write_every_element(transpose_y, deterministic):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("transpose_y", [True, False])
-def test_chunked_launchers_write_every_element(transpose_y, deterministic):
+def test_chunked_launchers_write_every_element(transpose_y, deterministic, monkeypatch):
     """The lean and bounded launchers (host_gemm for cuBLASLt) with outputs and workspaces poisoned with
     NaN, odd last token blocks and vocabulary chunks, a vocabulary shard; against the reference stages.
+    The lean backward's 16-bit G written over its fp32 logits in steps of 16 columns, 4 rows a program.
     Deterministic: the bias gradient through the partials workspace."""
+    monkeypatch.setattr(K.tuning, "NARROW_GRAD_TILE", (4, 16, 1))
     dtype, n_tok, D, V, start, total = "bfloat16", 23, 40, 90, 30, 150
     hidden, weight, bias, labels = _inputs(dtype, (n_tok,), D, V, transpose_y, bias=True)
     labels = paddle.to_tensor(np.random.randint(0, total, n_tok).astype(np.int64))
@@ -358,11 +362,10 @@ def test_chunked_launchers_write_every_element(transpose_y, deterministic):
     want_stats = ref.lse_stats_ref(hidden, weight, labels, bias, **opts)
     h32, w32, b32 = (t.astype("float32") for t in (hidden, weight, bias))
 
-    plan = K.lean_plan(n_tok, V, tokens=10, vocab=32)
-    work = {k: nan(*v) for k, v in K.lean_workspace(plan, D, dtype).items()}
+    plan = K.lean_plan(n_tok, V, D, dtype, backward=False, tokens=10, vocab=32)
     state, stats = nan((4, n_tok)), nan((3, n_tok))
-    K.lean_forward(host_gemm, *triton_args(hidden, weight, labels, bias, work["logits"], state, stats), plan=plan,
-                   need_sum=True, **opts)
+    K.lean_forward(host_gemm, *triton_args(hidden, weight, labels, bias, nan(*K.lean_workspace(plan, D)["logits"]),
+                                           state, stats), plan=plan, need_sum=True, **opts)
     assert_close("lean stats", stats.numpy(), want_stats.numpy(), "float32")
     lse = stats[0].clone()
     coef_p = paddle.to_tensor(np.random.uniform(-1, 1, n_tok).astype(np.float32))
@@ -372,15 +375,17 @@ def test_chunked_launchers_write_every_element(transpose_y, deterministic):
     def parts(plan):
         return {"dbias_parts": triton_args(nan(K.chunk_dbias_parts_shape(plan)))[0]} if deterministic else {}
 
+    plan = K.lean_plan(n_tok, V, D, dtype, backward=True, tokens=7, vocab=40)  # G written over the fp32 logits
+    work = {k: nan(*v) for k, v in K.lean_workspace(plan, D).items()}
     K.lean_backward(host_gemm, *triton_args(hidden, weight, labels, bias, lse, coef_p, coef_y), 0.25,
-                    *triton_args(dh, dw, db, work["logits"], work["g"], work["dh_acc"], paddle.zeros([V])),
+                    *triton_args(dh, dw, db, work["logits"], work["dh_acc"], paddle.zeros([V])),
                     plan=plan, vocab_total=total, label_smoothing=0.1, **opts, **parts(plan))
     want = ref.grads_ref(h32, w32, labels, b32, lse, coef_p * 0.25, coef_y * 0.25, vocab_total=total,
                          label_smoothing=0.1, **opts)
     for name, got, exp in zip(("dh", "dw", "db"), (dh, dw, db), want):
         assert_close(f"lean {name}", got.astype("float32").numpy(), exp.numpy(), dtype, baseline_err=4e-3)
 
-    bplan = K.bounded_plan(n_tok, V, dtype, K.GEMM_WORKSPACE[0] + 9 * 96 * 2)  # 9 tokens a block: 3 blocks
+    bplan = K.bounded_plan(n_tok, V, dtype, K.tuning.GEMM_WORKSPACE[0] + 9 * 96 * 2)  # 9 tokens a block: 3 blocks
     assert bplan.tokens == 8 and bplan.ld == 96
     loss, flag = nan((n_tok,)), paddle.full([1], -100, dtype="int64")
     dh, dw, dbias_acc = nan((n_tok, D), dtype), nan(weight.shape, dtype), paddle.zeros([V])

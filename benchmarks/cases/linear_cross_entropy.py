@@ -1,9 +1,11 @@
 """Linear + cross-entropy fwd+bwd, T=8192 tokens, D=4096, V=128256, bf16, loss + grads of hidden and
 weight [V, D] (PERFORMANCE.md), every path of ours beside torch and its peers in one process:
 
-- ``lean`` (the op's default on the GPU): cuBLASLt GEMMs on [Tb, Vc] chunks (fp32 logits), Triton
-  softmax work, 4 GEMMs, workspace flat in T and V; the op's label check (one flag read) and its host
-  read of the gradient scale included; one row without the flag read prices it;
+- ``lean`` (the op's default on the GPU): cuBLASLt GEMMs on [Tb, Vc] chunks of fp32 logits (in the
+  backward the bf16 gradient written over them), Triton softmax work, 4 GEMMs, workspace flat in T
+  and V; the op's label check (one flag read) and its host read of the gradient scale included; one
+  row without the flag read prices it; one row with smaller token blocks in the backward (more passes
+  over dW, a larger vocabulary chunk);
 - ``bounded`` (``max_workspace_gib``): [Tb, V] logits blocks fitting the bound, gradients in the
   forward pass (3 GEMMs), dW in bf16 or accumulated into an existing fp32 buffer (main_grad);
 - ``triton``: the all-Triton fallback (no cuBLAS), exact and with the gradient filter;
@@ -46,14 +48,13 @@ class _Gemm:
         return functools.partial(self.fn, workspace=self.provider.empty((n,), "uint8"))
 
 
-def _lean(provider, gemm, h, w, labels, plan=None, with_grads=True, check_labels=True):
+def _lean(provider, gemm, h, w, labels, backward_plan=None, with_grads=True, check_labels=True):
     torch = provider.torch
     n_tok, D = h.shape
     V = w.shape[0]
-    plan = plan or K.lean_plan(n_tok, V)
-    g = gemm.bound()
-    shapes = K.lean_workspace(plan, D, "bfloat16")
-    logits = torch.empty(shapes["logits"][0], dtype=torch.float32, device=h.device)
+    plan = K.lean_plan(n_tok, V, D, "bfloat16", backward=False)
+    g = gemm.bound(plan.workspace)
+    logits = torch.empty(K.lean_workspace(plan, D)["logits"][0], dtype=torch.float32, device=h.device)
     state, stats = torch.empty((4, n_tok), device=h.device), torch.empty((3, n_tok), device=h.device)
     loss_tok = torch.empty((n_tok,), device=h.device)
     flag = torch.full((1,), -100, dtype=torch.int64, device=h.device)
@@ -68,13 +69,13 @@ def _lean(provider, gemm, h, w, labels, plan=None, with_grads=True, check_labels
         return loss, None, None
     lse = stats[0].contiguous()
     scale = float(1.0 / valid.sum().clamp(min=1))  # the op reads its gradient scale once
-    g = gemm.bound()
+    plan = backward_plan or K.lean_plan(n_tok, V, D, "bfloat16", backward=True)
+    shapes = K.lean_workspace(plan, D)
+    g = gemm.bound(plan.workspace)
     logits = torch.empty(shapes["logits"][0], dtype=torch.float32, device=h.device)
-    gbuf = torch.empty(shapes["g"][0], dtype=h.dtype, device=h.device)
     dh_acc = torch.empty(shapes["dh_acc"][0], dtype=torch.float32, device=h.device)
     dh, dw = torch.empty_like(h), torch.empty_like(w)
-    K.lean_backward(g, h, w, labels, None, lse, valid, valid, scale, dh, dw, None, logits, gbuf, dh_acc, None,
-                    plan=plan)
+    K.lean_backward(g, h, w, labels, None, lse, valid, valid, scale, dh, dw, None, logits, dh_acc, None, plan=plan)
     return loss, dh, dw
 
 
@@ -258,13 +259,14 @@ def run(provider, quick: bool = False) -> dict:
         rows.append(row)
         print(row, flush=True)
 
-    lean_plans = {"lean": None, "lean Tb=2048 Vc=2048": K.lean_plan(n_tok, V, 2048, 2048),
-                  "lean Tb=512 Vc=16384": K.lean_plan(n_tok, V, 512, 16384)}
+    lean_plans = {"lean": None, "lean backward Tb=2048 Vc=8192": K.lean_plan(n_tok, V, D, "bfloat16", backward=True,
+                                                                          tokens=2048, vocab=8192)}
     for name, plan in lean_plans.items():
         label = "paddlenlp_fused/cuda " + name
         add(label, lambda p=plan: _lean(provider, gemm, h, w, labels, p), 4,
             fwd=lambda p=plan: _lean(provider, gemm, h, w, labels, p, with_grads=False),
-            plan=list(plan or K.lean_plan(n_tok, V)))
+            plan=[list(K.lean_plan(n_tok, V, D, "bfloat16", backward=False)),
+                  list(plan or K.lean_plan(n_tok, V, D, "bfloat16", backward=True))])
     rows[0]["fwdbwd_ms_without_label_flag_read"] = bench_ms(
         lambda: _lean(provider, gemm, h, w, labels, check_labels=False))
 

@@ -8,8 +8,9 @@ Backends and paths:
 
 - ``cuda`` (the GPU default when the CUDA library and cuBLASLt load): cuBLASLt GEMMs on chunks, the
   softmax work in Triton (``kernels/triton/linear_cross_entropy.py``, chunked section), two paths:
-  *lean* (default): token blocks x vocabulary chunks, fp32 logits chunks, the logits recomputed in
-  the backward (4 GEMMs), about 0.1 GiB of workspace whatever T and V are;
+  *lean* (default): token blocks x vocabulary chunks of fp32 logits, recomputed in the backward (4
+  GEMMs), where the gradient (input dtype) is written over them and dh accumulates in fp32; under
+  0.1 GiB of workspace whatever T and V are;
   *bounded* (``max_workspace_gib`` given): token blocks whose ``[Tb, V]`` logits fit the bound, the
   gradients computed in the forward pass (3 GEMMs); the loss comes from logits rounded once to the
   input dtype (as in the plain composition in that dtype). It needs the gradient of a scalar loss:
@@ -120,10 +121,10 @@ def _triton_stats(hidden, weight, labels, bias, o: _Options):
 
 
 def _cuda_stats(hidden, weight, labels, bias, o: _Options):
-    n_tok = hidden.shape[0]
-    plan = kernels.lean_plan(n_tok, _vocab(weight, o), vocab=o.vocab_chunk)
-    gemm = _gemm_for(hidden)
-    logits = _empty(*kernels.lean_workspace(plan, hidden.shape[1], T.dtype_name(hidden))["logits"], hidden)
+    n_tok, D = hidden.shape
+    plan = kernels.lean_plan(n_tok, _vocab(weight, o), D, T.dtype_name(hidden), backward=False, vocab=o.vocab_chunk)
+    gemm = _gemm_for(hidden, plan.workspace)
+    logits = _empty(*kernels.lean_workspace(plan, D)["logits"], hidden)
     state, stats = _empty([4, n_tok], "float32", hidden), _empty([3, n_tok], "float32", hidden)
     kernels.lean_forward(gemm, *triton_args(hidden, weight, labels, bias, logits, state, stats), plan=plan,
                          transpose_y=o.transpose_y, vocab_start=o.shard.start, softcap=o.softcap,
@@ -171,11 +172,10 @@ def _triton_grads(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, o: _
 def _cuda_grads(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, o: _Options, need):
     n_tok, D = hidden.shape
     dtype = T.dtype_name(hidden)
-    plan = kernels.lean_plan(n_tok, _vocab(weight, o), vocab=o.vocab_chunk)
-    ws = kernels.lean_workspace(plan, D, dtype)
-    gemm = _gemm_for(hidden)
+    plan = kernels.lean_plan(n_tok, _vocab(weight, o), D, dtype, backward=True, vocab=o.vocab_chunk)
+    ws = kernels.lean_workspace(plan, D)
+    gemm = _gemm_for(hidden, plan.workspace)
     logits = _empty(*ws["logits"], hidden)
-    g = _empty(*ws["g"], hidden) if "g" in ws else None
     dh_acc = _empty(*ws["dh_acc"], hidden) if "dh_acc" in ws and need[0] else None
     dh = _empty([n_tok, D], hidden.dtype, hidden) if need[0] else None
     dw = _dw_buffer(weight, o, need[1])
@@ -184,7 +184,7 @@ def _cuda_grads(hidden, weight, labels, bias, lse, coef_p, coef_y, scale, o: _Op
     dbias_acc = paddle.zeros([bias.shape[0]], dtype="float32", device=bias.place) if need_db else None
     dbias_parts = _parts_buffer(kernels.chunk_dbias_parts_shape(plan), hidden) if need_db and o.deterministic else None
     kernels.lean_backward(gemm, *triton_args(hidden, weight, labels, bias, lse, coef_p, coef_y), float(scale),
-                          *triton_args(dh, dw, db, logits, g, dh_acc, dbias_acc), plan=plan,
+                          *triton_args(dh, dw, db, logits, dh_acc, dbias_acc), plan=plan,
                           transpose_y=o.transpose_y, vocab_start=o.shard.start, vocab_total=o.shard.total,
                           softcap=o.softcap, label_smoothing=o.label_smoothing,
                           dbias_parts=dbias_parts)

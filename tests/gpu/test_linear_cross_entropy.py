@@ -42,9 +42,10 @@ def _reference(h, w_vd, b, labels, coef_p, coef_y, scale, softcap, eps, z):
 
 
 def _run(provider, dtype, n_tok, D, V, transpose_y, options, filter_eps=None, scale_logits=3.0,
-         deterministic=False):
-    """Forward and backward on fresh inputs; ``deterministic``: the backward twice through the bias
-    gradient's partials workspace (got["db_runs"]: both runs' db)."""
+         deterministic=False, chunk=1024):
+    """Forward and backward on fresh inputs, vocabulary chunks of ``chunk`` rows (the returned tile flags
+    are the last chunk's); ``deterministic``: the backward twice through the bias gradient's partials
+    workspace (got["db_runs"]: both runs' db)."""
     torch = provider.torch
     h = provider.randn((n_tok, D), dtype)
     w = provider.randn((V, D) if transpose_y else (D, V), dtype, scale=scale_logits / np.sqrt(D))
@@ -68,7 +69,7 @@ def _run(provider, dtype, n_tok, D, V, transpose_y, options, filter_eps=None, sc
     coef_np = np.random.uniform(-1, 1, (2, n_tok))
     coef = provider.from_numpy(coef_np, "float32")
     scale = provider.from_numpy(np.array([0.37]), "float32")
-    ws = K.backward_workspace(n_tok, D, V, dtype, chunk=1024)
+    ws = K.backward_workspace(n_tok, D, V, dtype, chunk=chunk)
     lse = stats[0].contiguous()
     db_runs = []
     for _ in range(2 if deterministic else 1):
@@ -125,10 +126,11 @@ def test_deterministic_bias_gradient_bit_identical(provider, case):
 
 
 def test_gradient_filter(provider):
-    """Sharp logits: most G tiles fall below the threshold and are skipped; the result stays within the
-    bf16 bound of the exact gradient, and a threshold above every |G| zeroes it."""
+    """Sharp logits: most G tiles fall below the threshold and are skipped (one vocabulary chunk, so the
+    flags cover every tile: about one in five holds a token's argmax or label); the result stays within
+    the bf16 bound of the exact gradient, and a threshold above every |G| zeroes it."""
     got, want, flags = _run(provider, "bfloat16", 256, 256, 200000, True, False, filter_eps=2.0**-12,
-                            scale_logits=40.0)
+                            scale_logits=40.0, chunk=200000)
     kept = float(provider.to_numpy(flags).mean())
     assert kept < 0.5, f"filter kept {kept:.0%} of the tiles on sharp logits"
     for name in ("dh", "dw"):
@@ -243,24 +245,24 @@ def test_lean_path_matches_float64(provider, case):
     dtype, n_tok, D, V, transpose_y, options = case
     gemm = _gemm(provider)
     h, w, b, labels, labels_np, (softcap, eps, z) = _chunked_setup(provider, dtype, n_tok, D, V, transpose_y, options)
-    plan = K.lean_plan(n_tok, V, tokens=max(n_tok // 3, 1), vocab=1000)
-    shapes = K.lean_workspace(plan, D, dtype)
-    work = {k: provider.poisoned(*v) for k, v in shapes.items()}
+    plan = K.lean_plan(n_tok, V, D, dtype, backward=False, tokens=max(n_tok // 3, 1), vocab=1000)
     state, stats = provider.poisoned((4, n_tok)), provider.poisoned((3, n_tok))
     loss = provider.poisoned((n_tok,))
     flag = provider.from_numpy(np.array([-100]), "int64")
-    K.lean_forward(gemm, h, w, labels, b, work["logits"], state, stats, plan=plan, transpose_y=transpose_y,
-                   vocab_start=VOCAB_START, softcap=softcap, need_sum=eps > 0)
+    K.lean_forward(gemm, h, w, labels, b, provider.poisoned(*K.lean_workspace(plan, D)["logits"]), state, stats,
+                   plan=plan, transpose_y=transpose_y, vocab_start=VOCAB_START, softcap=softcap, need_sum=eps > 0)
     K.token_loss(stats, labels, loss, flag, vocab_total=VOCAB_TOTAL, label_smoothing=eps, z_loss=z)
     coef_np = np.random.uniform(-1, 1, (2, n_tok))
     coef = provider.from_numpy(coef_np, "float32")
     dh, dw = provider.poisoned((n_tok, D), dtype), provider.poisoned(tuple(w.shape), dtype)
     db = provider.poisoned((V,), dtype) if options else None
     dbias_acc = provider.zeros((V,)) if options else None
+    # chunks of 3000 rows: a 16-bit G written over the fp32 logits in two column steps of each program
+    bwd = K.lean_plan(n_tok, V, D, dtype, backward=True, tokens=max(n_tok // 4, 1), vocab=3000)
+    work = {k: provider.poisoned(*v) for k, v in K.lean_workspace(bwd, D).items()}
     K.lean_backward(gemm, h, w, labels, b, stats[0].contiguous(), coef[0].contiguous(), coef[1].contiguous(), 0.37,
-                    dh, dw, db, work["logits"], work.get("g"), work.get("dh_acc"), dbias_acc, plan=plan,
-                    transpose_y=transpose_y, vocab_start=VOCAB_START, vocab_total=VOCAB_TOTAL, softcap=softcap,
-                    label_smoothing=eps)
+                    dh, dw, db, work["logits"], work.get("dh_acc"), dbias_acc, plan=bwd, transpose_y=transpose_y,
+                    vocab_start=VOCAB_START, vocab_total=VOCAB_TOTAL, softcap=softcap, label_smoothing=eps)
     provider.synchronize()
     assert int(provider.to_numpy(flag)[0]) == -100
     ref = _reference_of(provider, h, w, b, labels_np, transpose_y, coef_np[0], coef_np[1], 0.37, (softcap, eps, z))
@@ -283,11 +285,12 @@ def test_lean_path_deterministic_bias_gradient_bit_identical(provider, dtype):
     gemm = _gemm(provider)
     n_tok, D, V = 600, 256, 5003
     h, w, b, labels, labels_np, (softcap, eps, z) = _chunked_setup(provider, dtype, n_tok, D, V, True, True)
-    plan = K.lean_plan(n_tok, V, tokens=128, vocab=1000)
-    work = {k: provider.poisoned(*v) for k, v in K.lean_workspace(plan, D, dtype).items()}
+    plan = K.lean_plan(n_tok, V, D, dtype, backward=True, tokens=128, vocab=1000)
+    work = {k: provider.poisoned(*v) for k, v in K.lean_workspace(plan, D).items()}
+    fwd = K.lean_plan(n_tok, V, D, dtype, backward=False)
     state, stats = provider.poisoned((4, n_tok)), provider.poisoned((3, n_tok))
-    K.lean_forward(gemm, h, w, labels, b, work["logits"], state, stats, plan=plan, vocab_start=VOCAB_START,
-                   softcap=softcap, need_sum=True)
+    K.lean_forward(gemm, h, w, labels, b, provider.poisoned(*K.lean_workspace(fwd, D)["logits"]), state, stats,
+                   plan=fwd, vocab_start=VOCAB_START, softcap=softcap, need_sum=True)
     coef_np = np.random.uniform(-1, 1, (2, n_tok))
     coef = provider.from_numpy(coef_np, "float32")
     runs = []
@@ -295,7 +298,7 @@ def test_lean_path_deterministic_bias_gradient_bit_identical(provider, dtype):
         dh, dw, db = (provider.poisoned(s, dtype) for s in ((n_tok, D), (V, D), (V,)))
         parts = provider.poisoned(K.chunk_dbias_parts_shape(plan))
         K.lean_backward(gemm, h, w, labels, b, stats[0].contiguous(), coef[0].contiguous(), coef[1].contiguous(),
-                        0.37, dh, dw, db, work["logits"], work.get("g"), work.get("dh_acc"), provider.zeros((V,)),
+                        0.37, dh, dw, db, work["logits"], work.get("dh_acc"), provider.zeros((V,)),
                         plan=plan, vocab_start=VOCAB_START, vocab_total=VOCAB_TOTAL, softcap=softcap,
                         label_smoothing=eps, dbias_parts=parts)
         provider.synchronize()
@@ -316,7 +319,7 @@ def test_bounded_path_matches_float64(provider, case, dw_fp32):
     gemm = _gemm(provider)
     h, w, b, labels, labels_np, (softcap, eps, z) = _chunked_setup(provider, dtype, n_tok, D, V, transpose_y, options)
     size = 2 if dtype != "float32" else 4
-    plan = K.bounded_plan(n_tok, V, dtype, (n_tok // 3 + 1) * -(-V // 8) * 8 * size + K.GEMM_WORKSPACE[0])
+    plan = K.bounded_plan(n_tok, V, dtype, (n_tok // 3 + 1) * -(-V // 8) * 8 * size + K.tuning.GEMM_WORKSPACE[0])
     assert -(-n_tok // plan.tokens) == 3
     logits, stats = provider.poisoned((plan.tokens, plan.ld), dtype), provider.poisoned((3, plan.tokens))
     loss = provider.poisoned((n_tok,))

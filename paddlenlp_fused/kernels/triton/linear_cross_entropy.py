@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from ...runtime import tensor as T
+from . import linear_cross_entropy_tuning as tuning
 from .interpreter_compat import INTERPRETING, dot_operand
 from .partial_sums import add_parts
 
@@ -623,50 +624,63 @@ def _matmul(p: Problem, cfg: TileConfig, a, b, c, lo, scale, flags, M, N, K, a_o
 # chunked paths: logits chunks come from an outside GEMM (cuBLASLt on the GPU, injected by the
 # caller as ``gemm``); the softmax / cross-entropy work on each chunk runs here.
 #
-# lean     4 GEMMs, workspace flat in T and V: tokens in blocks of Tb, vocabulary in chunks of Vc.
+# lean     4 GEMMs, workspace flat in T and V (under 0.1 GiB, see linear_cross_entropy_tuning.py):
+#          tokens in blocks of Tb, vocabulary in chunks of Vc, each stage with its own plan.
 #          forward: fp32 logits [Tb, Vc] -> online (max, sum-exp, target, sum) per token;
-#          backward: the logits again -> G [Tb, Vc] -> dW[chunk] (+)= G^T h_blk (over T / Tb token
-#          blocks, in dW's dtype), dh_acc (fp32 [Tb, D]) (+)= G W[chunk] over the chunks.
+#          backward: the fp32 logits again -> G written over them in the input dtype (16-bit rows at
+#          the fp32 rows' starts) -> dW[chunk] (+)= G^T h_blk (over T / Tb token blocks, in dW's dtype),
+#          dh_acc (fp32 [Tb, D]) (+)= G W[chunk] over the chunks (fp32 inputs: dh accumulated in place).
+#          The logits stay fp32 because a gradient from logits rounded to 16 bits carries the plain
+#          16-bit composition's error, above DESIGN's 1e-2 where dh cancels (benchmarks/NOTES.md).
 # bounded  3 GEMMs, gradients in the forward pass: tokens in blocks whose [Tb, V] logits (input dtype)
 #          fit the caller's bound; per block the logits once -> stats -> loss -> G in place ->
 #          dh[blk] = G W (complete) and dW (+)= G^T h_blk (over T / Tb blocks, in dW's dtype: fp32
 #          when the caller hands an fp32 buffer).
 # A gemm is called as gemm(a, b, d, m=, n=, k=, trans_a=, trans_b=, alpha=, beta=, a_offset=,
-# b_offset=, d_offset=, lda=, ldb=, ldd=): row-major D[m,n] = alpha op(A) op(B) + beta D
+# b_offset=, d_offset=, lda=, ldb=, ldd=, heuristic=): row-major D[m,n] = alpha op(A) op(B) + beta D
 # (kernels/cuda/gemm.py), operands as tensors plus element offsets and row strides.
-
-# (token block, vocabulary chunk) of the lean path: fp32 logits 32 MiB + G 16 + dh_acc 16 at D=4096,
-# with cuBLASLt's 32 MiB workspace 0.094 GiB
-LEAN_PLAN = (1024, 8192)
-ROW_BLOCK, COL_BLOCK = 4, 1024  # the stats kernel: rows per program, columns per step
-GRAD_TILE = (32, 256)  # the gradient kernel's tile
-GEMM_WORKSPACE = (4 * 2**20, 32 * 2**20)  # cuBLASLt workspace the bounded path may shrink to, and its most
 
 
 class ChunkPlan(NamedTuple):
     tokens: int  # token block Tb
     vocab: int  # vocabulary chunk Vc (V: the bounded path's whole vocabulary)
     ld: int  # row stride of the logits buffer (Vc or V rounded up to 8 elements: aligned GEMM rows)
-    workspace: int = GEMM_WORKSPACE[1]  # bytes of cuBLASLt workspace to hand the GEMMs
+    workspace: int = tuning.GEMM_WORKSPACE[1]  # bytes of cuBLASLt workspace to hand the GEMMs
+    heuristic: tuple = (0, 0, 0)  # cuBLASLt heuristic index of the logits, dh and dW GEMMs
+    g_dtype: str | None = None  # 16-bit G written over fp32 logits (lean backward); None: in the logits' dtype
 
 
 def _round8(n: int) -> int:
     return -(-n // 8) * 8
 
 
-def lean_plan(n_tok: int, V: int, tokens: int | None = None, vocab: int | None = None) -> ChunkPlan:
-    tb, vc = LEAN_PLAN
-    tb = max(1, min(tokens or tb, max(n_tok, 1)))
-    vc = max(1, min(vocab or vc, max(V, 1)))
-    return ChunkPlan(tb, vc, _round8(vc))
+def _balanced(n: int, most: int) -> int:
+    """The block size of the fewest blocks of at most ``most`` covering ``n``, balanced in size."""
+    n, most = max(n, 1), max(most, 1)
+    return -(-n // -(-n // most))
 
 
-def lean_workspace(plan: ChunkPlan, D: int, dtype: str) -> dict:
-    """Shapes (and dtypes) the caller allocates for the lean path: fp32 logits; G (the logits buffer
-    itself for fp32); the fp32 dh accumulator (none for fp32: dh accumulates in place)."""
+def lean_plan(n_tok: int, V: int, D: int, dtype: str, *, backward: bool, tokens: int | None = None,
+              vocab: int | None = None) -> ChunkPlan:
+    """The lean path's plan of its forward or backward stage (sizes in linear_cross_entropy_tuning.py);
+    ``tokens`` / ``vocab`` override the block and chunk sizes."""
+    narrow = backward and dtype != "float32"
+    most = tuning.LEAN_TOKENS
+    if narrow:  # the fp32 dh accumulator [Tb, D]
+        most = min(most, tuning.LEAN_DH_ACC_BYTES // (4 * max(D, 1)))
+    tb = min(tokens or _balanced(n_tok, most), max(n_tok, 1))
+    nbytes = tuning.LEAN_NARROW_LOGITS_BYTES if narrow else tuning.LEAN_LOGITS_BYTES
+    vc = vocab or max(256, nbytes // (4 * tb) // 256 * 256)
+    vc = max(1, min(vc, max(V, 1)))
+    return ChunkPlan(tb, vc, _round8(vc), tuning.GEMM_WORKSPACE[0 if narrow else 1], tuning.GEMM_HEURISTIC["lean"],
+                     dtype if narrow else None)
+
+
+def lean_workspace(plan: ChunkPlan, D: int) -> dict:
+    """Shapes and dtypes the caller allocates for a lean stage: the fp32 logits block, and where G is
+    written over it in 16 bits (a 16-bit backward) the fp32 dh accumulator."""
     out = {"logits": ((plan.tokens, plan.ld), "float32")}
-    if dtype != "float32":
-        out["g"] = ((plan.tokens, plan.ld), dtype)
+    if plan.g_dtype is not None:
         out["dh_acc"] = ((plan.tokens, D), "float32")
     return out
 
@@ -674,9 +688,9 @@ def lean_workspace(plan: ChunkPlan, D: int, dtype: str) -> dict:
 def bounded_plan(n_tok: int, V: int, dtype: str, max_bytes: int) -> ChunkPlan:
     """The fewest token blocks whose [Tb, V] logits (``dtype``) and the GEMM workspace fit ``max_bytes``,
     balanced in size (each block reads and writes the whole dW, so few large blocks beat many small
-    ones); the workspace takes what the logits leave, between GEMM_WORKSPACE's bounds."""
+    ones); the workspace takes what the logits leave, between tuning.GEMM_WORKSPACE's bounds."""
     row = _round8(V) * T.itemsize(dtype)
-    least, most_ws = GEMM_WORKSPACE
+    least, most_ws = tuning.GEMM_WORKSPACE
     most = (int(max_bytes) - least) // row
     if most < 1:
         raise ValueError(f"max_workspace_gib: {max_bytes / 2**30:.4g} GiB holds no token's logits "
@@ -684,7 +698,7 @@ def bounded_plan(n_tok: int, V: int, dtype: str, max_bytes: int) -> ChunkPlan:
     blocks = -(-max(n_tok, 1) // most)
     tokens = -(-max(n_tok, 1) // blocks)
     workspace = min(most_ws, (int(max_bytes) - tokens * row) // 2**20 * 2**20)
-    return ChunkPlan(tokens, V, _round8(V), max(workspace, least))
+    return ChunkPlan(tokens, V, _round8(V), max(workspace, least), tuning.GEMM_HEURISTIC["bounded"])
 
 
 @triton.jit
@@ -740,20 +754,22 @@ def _chunk_stats_kernel(x_ptr, ld_x, bias_ptr, labels_ptr, state_ptr, stats_ptr,
 
 
 @triton.jit
-def _chunk_grad_kernel(x_ptr, ld_x, g_ptr, ld_g, bias_ptr, labels_ptr, lse_ptr, coef_p_ptr, coef_y_ptr, dbias_ptr,
+def _chunk_grad_kernel(x_ptr, ld_x, bias_ptr, labels_ptr, lse_ptr, coef_p_ptr, coef_y_ptr, dbias_ptr,
                        n_rows, n_cols, row0, col0, vocab_start, vocab_total, lse_row0, stride_label, ignore_index,
                        softcap, label_smoothing, z_loss,
                        HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr, SOFTCAP: tl.constexpr, COEFS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ld_parts=0, DETERMINISTIC: tl.constexpr = False):
-    """G = f'(a) (coef_p softmax - coef_y ((1 - eps) onehot + eps / V_total)) of a logits chunk, stored
-    in g (which may be x itself: each element is read and then written by the same program).
+                       NARROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ld_parts=0,
+                       DETERMINISTIC: tl.constexpr = False):
+    """G = f'(a) (coef_p softmax - coef_y ((1 - eps) onehot + eps / V_total)) of a logits chunk x, written
+    over it: in x's dtype (each element read, then written, by the same program), or NARROW (1:
+    bfloat16, 2: float16) over fp32 logits, row r of G starting where row r of x does (row stride
+    2 ld_x 16-bit elements), each program walking its rows' columns in order so that what it writes
+    lies behind what it has read (a barrier between reading and writing a step).
     COEFS: coef_p / coef_y are token-indexed arrays; else coef_y = [label != ignore_index] and
     coef_p = coef_y (1 + 2 z lse). dbias (fp32, vocabulary-indexed) += the column sums of G; DETERMINISTIC:
     dbias_ptr is the workspace [row blocks, ld_parts] of this chunk's column sums, one row a program."""
     offs_r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     keep_r = offs_r < n_rows
-    keep_c = offs_c < n_cols
     rows = (row0 + offs_r).to(tl.int64)
     label = tl.load(labels_ptr + rows * stride_label, mask=keep_r, other=ignore_index).to(tl.int64)
     lse = tl.load(lse_ptr + (rows - lse_row0), mask=keep_r, other=0.0)
@@ -763,26 +779,36 @@ def _chunk_grad_kernel(x_ptr, ld_x, g_ptr, ld_g, bias_ptr, labels_ptr, lse_ptr, 
     else:
         coef_y = tl.where(label != ignore_index, 1.0, 0.0)
         coef_p = coef_y * (1.0 + 2.0 * z_loss * lse)
-    inside = keep_r[:, None] & keep_c[None, :]
-    s = tl.load(x_ptr + offs_r.to(tl.int64)[:, None] * ld_x + offs_c[None, :], mask=inside, other=0.0)
-    s = s.to(tl.float32)
-    if HAS_BIAS:
-        s += tl.load(bias_ptr + col0 + offs_c, mask=keep_c, other=0.0).to(tl.float32)[None, :]
-    if SOFTCAP:
-        s = softcap * _tanh(s / softcap)
     local = label - vocab_start - col0
-    target = tl.where(offs_c[None, :] == local[:, None], 1.0 - label_smoothing, 0.0) + label_smoothing / vocab_total
-    grad = coef_p[:, None] * tl.exp(s - lse[:, None]) - coef_y[:, None] * target
-    if SOFTCAP:
-        capped = s / softcap
-        grad = grad * (1.0 - capped * capped)
-    grad = tl.where(inside, grad, 0.0)
-    tl.store(g_ptr + offs_r.to(tl.int64)[:, None] * ld_g + offs_c[None, :], grad.to(g_ptr.dtype.element_ty),
-             mask=inside)
-    if DBIAS and DETERMINISTIC:
-        tl.store(dbias_ptr + tl.program_id(0) * ld_parts + offs_c, tl.sum(grad, 0), mask=keep_c)
-    elif DBIAS:
-        tl.atomic_add(dbias_ptr + col0 + offs_c, tl.sum(grad, 0), mask=keep_c)
+    x_rows = x_ptr + offs_r.to(tl.int64)[:, None] * ld_x
+    if NARROW == 1:
+        g_rows = x_ptr.to(tl.pointer_type(tl.bfloat16)) + offs_r.to(tl.int64)[:, None] * (2 * ld_x)
+    elif NARROW == 2:
+        g_rows = x_ptr.to(tl.pointer_type(tl.float16)) + offs_r.to(tl.int64)[:, None] * (2 * ld_x)
+    else:
+        g_rows = x_rows
+    for c in range(tl.program_id(1) * BLOCK_N, n_cols, tl.num_programs(1) * BLOCK_N):
+        offs_c = c + tl.arange(0, BLOCK_N)
+        keep_c = offs_c < n_cols
+        inside = keep_r[:, None] & keep_c[None, :]
+        s = tl.load(x_rows + offs_c[None, :], mask=inside, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            s += tl.load(bias_ptr + col0 + offs_c, mask=keep_c, other=0.0).to(tl.float32)[None, :]
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        target = tl.where(offs_c[None, :] == local[:, None], 1.0 - label_smoothing, 0.0) + label_smoothing / vocab_total
+        grad = coef_p[:, None] * tl.exp(s - lse[:, None]) - coef_y[:, None] * target
+        if SOFTCAP:
+            capped = s / softcap
+            grad = grad * (1.0 - capped * capped)
+        grad = tl.where(inside, grad, 0.0)
+        if NARROW:
+            tl.debug_barrier()  # every thread's reads of this step before any write over them
+        tl.store(g_rows + offs_c[None, :], grad.to(g_rows.dtype.element_ty), mask=inside)
+        if DBIAS and DETERMINISTIC:
+            tl.store(dbias_ptr + tl.program_id(0) * ld_parts + offs_c, tl.sum(grad, 0), mask=keep_c)
+        elif DBIAS:
+            tl.atomic_add(dbias_ptr + col0 + offs_c, tl.sum(grad, 0), mask=keep_c)
 
 
 @triton.jit
@@ -807,35 +833,39 @@ def _unit_inner(p: Problem, transpose_y: bool) -> None:
         raise ValueError("weight: the chunked paths take a weight with a contiguous last axis")
 
 
-def _logits_gemm(gemm, p: Problem, hidden, weight, out, t0, tb, c0, vc, ld, transpose_y) -> None:
+def _logits_gemm(gemm, p: Problem, hidden, weight, out, t0, tb, c0, vc, ld, transpose_y, heuristic=0) -> None:
     """out[:tb, :vc] = h[t0 : t0 + tb] @ W[c0 : c0 + vc]^T (W in either layout)."""
     if transpose_y:  # W [V, D]: rows c0.. used transposed
         wb = dict(trans_b=True, b_offset=c0 * p.stride_wv, ldb=p.stride_wv)
     else:  # W [D, V]: columns c0..
         wb = dict(trans_b=False, b_offset=c0, ldb=p.stride_wd)
     gemm(hidden, weight, out, m=tb, n=vc, k=p.D, trans_a=False, alpha=1.0, beta=0.0, a_offset=t0 * p.stride_ht,
-         lda=p.stride_ht, d_offset=0, ldd=ld, **wb)
+         lda=p.stride_ht, d_offset=0, ldd=ld, heuristic=heuristic, **wb)
 
 
-def _dh_gemm(gemm, p: Problem, g, ld_g, weight, d, d_offset, ldd, tb, c0, vc, alpha, beta, transpose_y) -> None:
+def _dh_gemm(gemm, p: Problem, g, ld_g, weight, d, d_offset, ldd, tb, c0, vc, alpha, beta, transpose_y,
+             heuristic=0, g_dtype=None) -> None:
     """d[tb, D] (+)= alpha G[:tb, :vc] @ W[c0 : c0 + vc]."""
     if transpose_y:
         wb = dict(trans_b=False, b_offset=c0 * p.stride_wv, ldb=p.stride_wv)
     else:
         wb = dict(trans_b=True, b_offset=c0, ldb=p.stride_wd)
     gemm(g, weight, d, m=tb, n=p.D, k=vc, trans_a=False, alpha=alpha, beta=beta, a_offset=0, lda=ld_g,
-         d_offset=d_offset, ldd=ldd, **wb)
+         d_offset=d_offset, ldd=ldd, heuristic=heuristic, a_dtype=g_dtype, **wb)
 
 
-def _dw_gemm(gemm, p: Problem, g, ld_g, hidden, dw, t0, tb, c0, vc, alpha, beta, transpose_y) -> None:
+def _dw_gemm(gemm, p: Problem, g, ld_g, hidden, dw, t0, tb, c0, vc, alpha, beta, transpose_y, heuristic=0,
+             g_dtype=None) -> None:
     """dW[c0 : c0 + vc] (+)= alpha G[:tb, :vc]^T h[t0 : t0 + tb], in dW's layout."""
     st = T.strides(dw)
     if transpose_y:  # dW [V, D]
         gemm(g, hidden, dw, m=vc, n=p.D, k=tb, trans_a=True, trans_b=False, alpha=alpha, beta=beta, a_offset=0,
-             lda=ld_g, b_offset=t0 * p.stride_ht, ldb=p.stride_ht, d_offset=c0 * st[0], ldd=st[0])
+             lda=ld_g, b_offset=t0 * p.stride_ht, ldb=p.stride_ht, d_offset=c0 * st[0], ldd=st[0],
+             heuristic=heuristic, a_dtype=g_dtype)
     else:  # dW [D, V]: dW[:, c0..] = h^T G
         gemm(hidden, g, dw, m=p.D, n=vc, k=tb, trans_a=True, trans_b=False, alpha=alpha, beta=beta,
-             a_offset=t0 * p.stride_ht, lda=p.stride_ht, b_offset=0, ldb=ld_g, d_offset=c0, ldd=st[0])
+             a_offset=t0 * p.stride_ht, lda=p.stride_ht, b_offset=0, ldb=ld_g, d_offset=c0, ldd=st[0],
+             heuristic=heuristic, b_dtype=g_dtype)
 
 
 def _check_buffer(name, t, shape, dtype) -> None:
@@ -856,6 +886,16 @@ def _token_blocks(p, tokens: int):
         yield t0, min(tokens, p.n_tok - t0)
 
 
+def _chunk_stats(logits, ld, bias, labels, state, stats, tb, vc, t0, c0, p: Problem, vocab_start, state_plane,
+                 stats_row0, softcap, first, last, need_sum) -> None:
+    bm, bn, warps = tuning.STATS_TILE
+    _chunk_stats_kernel[(triton.cdiv(tb, bm),)](
+        logits, ld, bias if bias is not None else logits, labels, state, stats,
+        tb, vc, t0, c0, vocab_start, state_plane, state_plane, stats_row0, p.stride_label, float(softcap or 1.0),
+        FIRST=first, LAST=last, HAS_BIAS=bias is not None, SOFTCAP=softcap is not None,
+        NEED_SUM=need_sum, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+
+
 def lean_forward(gemm, hidden, weight, labels, bias, logits, state, stats, *, plan: ChunkPlan,
                  transpose_y: bool = True, vocab_start: int = 0, softcap: float | None = None,
                  need_sum: bool = False) -> None:
@@ -869,28 +909,31 @@ def lean_forward(gemm, hidden, weight, labels, bias, logits, state, stats, *, pl
     for t0, tb in _token_blocks(p, plan.tokens):
         for c0 in range(0, p.V, plan.vocab):
             vc = min(plan.vocab, p.V - c0)
-            _logits_gemm(gemm, p, hidden, weight, logits, t0, tb, c0, vc, plan.ld, transpose_y)
-            _chunk_stats_kernel[(triton.cdiv(tb, ROW_BLOCK),)](
-                logits, plan.ld, bias if bias is not None else logits, labels, state, stats,
-                tb, vc, t0, c0, vocab_start, p.n_tok, p.n_tok, 0, p.stride_label, float(softcap or 1.0),
-                FIRST=c0 == 0, LAST=c0 + plan.vocab >= p.V, HAS_BIAS=bias is not None, SOFTCAP=softcap is not None,
-                NEED_SUM=need_sum, BLOCK_M=ROW_BLOCK, BLOCK_N=COL_BLOCK)
+            _logits_gemm(gemm, p, hidden, weight, logits, t0, tb, c0, vc, plan.ld, transpose_y, plan.heuristic[0])
+            _chunk_stats(logits, plan.ld, bias, labels, state, stats, tb, vc, t0, c0, p, vocab_start, p.n_tok, 0,
+                         softcap, c0 == 0, c0 + plan.vocab >= p.V, need_sum)
 
 
-def _grad_chunk(x, ld_x, g, ld_g, bias, labels, lse, coef_p, coef_y, dbias_acc, tb, vc, t0, c0, lse_row0, p,
+_NARROW = {"bfloat16": 1, "float16": 2}
+
+
+def _grad_chunk(x, ld_x, bias, labels, lse, coef_p, coef_y, dbias_acc, tb, vc, t0, c0, lse_row0, p,
                 vocab_start, vocab_total, ignore_index, softcap, label_smoothing, z_loss, coefs,
-                dbias_parts=None) -> None:
-    bm, bn = GRAD_TILE
+                dbias_parts=None, g_dtype=None) -> None:
+    """G of a logits chunk ``x [tb, ld_x]``, written over it in x's dtype or in ``g_dtype`` (16-bit, over
+    fp32 logits: row stride 2 ld_x)."""
+    narrow = _NARROW[g_dtype] if g_dtype not in (None, T.dtype_name(x)) else 0
+    bm, bn, warps = tuning.NARROW_GRAD_TILE if narrow else tuning.GRAD_TILE
     deterministic = dbias_parts is not None and dbias_acc is not None
     parts = dict(ld_parts=T.shape(dbias_parts)[1], DETERMINISTIC=True) if deterministic else {}
-    _chunk_grad_kernel[(triton.cdiv(tb, bm), triton.cdiv(vc, bn))](
-        x, ld_x, g, ld_g, bias if bias is not None else x, labels, lse,
+    _chunk_grad_kernel[(triton.cdiv(tb, bm), 1 if narrow else triton.cdiv(vc, bn))](
+        x, ld_x, bias if bias is not None else x, labels, lse,
         coef_p if coefs else lse, coef_y if coefs else lse,
         (dbias_parts if deterministic else dbias_acc) if dbias_acc is not None else lse,
         tb, vc, t0, c0, vocab_start, vocab_total, lse_row0, p.stride_label, ignore_index,
         float(softcap or 1.0), float(label_smoothing), float(z_loss),
         HAS_BIAS=bias is not None, DBIAS=dbias_acc is not None, SOFTCAP=softcap is not None, COEFS=coefs,
-        BLOCK_M=bm, BLOCK_N=bn, **parts)
+        NARROW=narrow, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **parts)
     if deterministic:
         add_parts(dbias_parts, dbias_acc, triton.cdiv(tb, bm), vc, part_strides=(0, T.shape(dbias_parts)[1]),
                   out_offset=c0)
@@ -899,28 +942,30 @@ def _grad_chunk(x, ld_x, g, ld_g, bias, labels, lse, coef_p, coef_y, dbias_acc, 
 def chunk_dbias_parts_shape(plan: ChunkPlan) -> tuple:
     """The fp32 workspace of a deterministic bias gradient on the chunked paths (``dbias_parts`` of
     ``lean_backward`` / ``bounded_forward``): one row of column sums per row block of a chunk."""
-    return (triton.cdiv(plan.tokens, GRAD_TILE[0]), plan.vocab)
+    rows = (tuning.NARROW_GRAD_TILE if plan.g_dtype is not None else tuning.GRAD_TILE)[0]
+    return (triton.cdiv(plan.tokens, rows), plan.vocab)
 
 
 def lean_backward(gemm, hidden, weight, labels, bias, lse, coef_p, coef_y, scale: float, dh, dw, dbias,
-                  logits, g, dh_acc, dbias_acc, *, plan: ChunkPlan, transpose_y: bool = True, vocab_start: int = 0,
+                  logits, dh_acc, dbias_acc, *, plan: ChunkPlan, transpose_y: bool = True, vocab_start: int = 0,
                   vocab_total: int | None = None, softcap: float | None = None, label_smoothing: float = 0.0,
                   dbias_parts=None) -> None:
     """Gradients of this rank's rows into dh ``[T, D]`` (partial sum over the rows held here), dw (the
     weight's layout) and dbias ``[V]``; any of them None when not wanted. lse, coef_p, coef_y as for
     ``lce_backward``; ``scale`` (a host float) multiplies every gradient in the GEMMs. Workspaces as
-    ``lean_workspace`` says (``g`` and ``dh_acc`` None for fp32); ``dbias_acc`` fp32 ``[V]`` zeroed;
+    ``lean_workspace`` says for a backward ``lean_plan``: fp32 logits (G written over them in the input
+    dtype), ``dh_acc`` (None for fp32, where dh accumulates in place); ``dbias_acc`` fp32 ``[V]`` zeroed;
     ``dbias_parts`` (``chunk_dbias_parts_shape``): a deterministic bias gradient (no atomics)."""
     p = _problem(hidden, weight, labels, bias, transpose_y)
     _unit_inner(p, transpose_y)
     vocab_total = p.V if vocab_total is None else vocab_total
-    shapes = lean_workspace(plan, p.D, p.dtype)
-    _check_buffer("logits", logits, *shapes["logits"])
-    if p.dtype != "float32":
-        _check_buffer("g", g, *shapes["g"])
-        _check_buffer("dh_acc", dh_acc, *shapes["dh_acc"])
-    else:
-        g = logits
+    narrow = p.dtype != "float32"
+    if plan.g_dtype != (p.dtype if narrow else None):
+        raise ValueError(f"plan: a backward lean_plan for {p.dtype} inputs writes G in "
+                         f"{p.dtype if narrow else 'the logits dtype'}, got g_dtype={plan.g_dtype}")
+    _check_buffer("logits", logits, (plan.tokens, plan.ld), "float32")
+    if narrow and dh is not None:
+        _check_buffer("dh_acc", dh_acc, (plan.tokens, p.D), "float32")
     for name, t in (("lse", lse), ("coef_p", coef_p), ("coef_y", coef_y)):
         _check_buffer(name, t, (p.n_tok,), "float32")
     if dh is not None:
@@ -934,24 +979,28 @@ def lean_backward(gemm, hidden, weight, labels, bias, lse, coef_p, coef_y, scale
             _check_buffer("dbias_parts", dbias_parts, chunk_dbias_parts_shape(plan), "float32")
     if p.n_tok == 0 or p.V == 0 or p.D == 0:
         return
+    h_logits, h_dh, h_dw = plan.heuristic
+    ld_g = 2 * plan.ld if narrow else plan.ld  # G's row stride in its own elements
     for t0 in range(0, p.n_tok, plan.tokens):
         tb = min(plan.tokens, p.n_tok - t0)
         for c0 in range(0, p.V, plan.vocab):
             vc = min(plan.vocab, p.V - c0)
-            _logits_gemm(gemm, p, hidden, weight, logits, t0, tb, c0, vc, plan.ld, transpose_y)
-            _grad_chunk(logits, plan.ld, g, plan.ld, bias, labels, lse, coef_p, coef_y,
+            _logits_gemm(gemm, p, hidden, weight, logits, t0, tb, c0, vc, plan.ld, transpose_y, h_logits)
+            _grad_chunk(logits, plan.ld, bias, labels, lse, coef_p, coef_y,
                         dbias_acc if dbias is not None else None, tb, vc, t0, c0, 0, p, vocab_start, vocab_total, 0,
-                        softcap, label_smoothing, 0.0, True, dbias_parts)
+                        softcap, label_smoothing, 0.0, True, dbias_parts, plan.g_dtype)
             if dw is not None:
-                _dw_gemm(gemm, p, g, plan.ld, hidden, dw, t0, tb, c0, vc, scale, 0.0 if t0 == 0 else 1.0,
-                         transpose_y)
+                _dw_gemm(gemm, p, logits, ld_g, hidden, dw, t0, tb, c0, vc, scale, 0.0 if t0 == 0 else 1.0,
+                         transpose_y, h_dw, plan.g_dtype)
             if dh is not None:
                 first = 0.0 if c0 == 0 else 1.0
-                if p.dtype == "float32":
-                    _dh_gemm(gemm, p, g, plan.ld, weight, dh, t0 * p.D, p.D, tb, c0, vc, scale, first, transpose_y)
+                if narrow:
+                    _dh_gemm(gemm, p, logits, ld_g, weight, dh_acc, 0, p.D, tb, c0, vc, scale, first, transpose_y,
+                             h_dh, plan.g_dtype)
                 else:
-                    _dh_gemm(gemm, p, g, plan.ld, weight, dh_acc, 0, p.D, tb, c0, vc, scale, first, transpose_y)
-        if dh is not None and p.dtype != "float32":
+                    _dh_gemm(gemm, p, logits, ld_g, weight, dh, t0 * p.D, p.D, tb, c0, vc, scale, first,
+                             transpose_y, h_dh)
+        if dh is not None and narrow:
             _cast_scale(dh_acc, dh, tb * p.D, t0 * p.D)
     if dbias is not None:
         _cast_scale(dbias_acc, dbias, p.V, 0, scale)
@@ -986,24 +1035,22 @@ def bounded_forward(gemm, hidden, weight, labels, bias, logits, stats, loss, fla
         _check_buffer("dbias_acc", dbias_acc, (p.V,), "float32")
         if dbias_parts is not None:
             _check_buffer("dbias_parts", dbias_parts, chunk_dbias_parts_shape(plan), "float32")
+    h_logits, h_dh, h_dw = plan.heuristic
     for t0, tb in _token_blocks(p, plan.tokens):
-        _logits_gemm(gemm, p, hidden, weight, logits, t0, tb, 0, p.V, plan.ld, transpose_y)
-        _chunk_stats_kernel[(triton.cdiv(tb, ROW_BLOCK),)](
-            logits, plan.ld, bias if bias is not None else logits, labels, stats, stats,
-            tb, p.V, t0, 0, vocab_start, plan.tokens, plan.tokens, t0, p.stride_label, float(softcap or 1.0),
-            FIRST=True, LAST=True, HAS_BIAS=bias is not None, SOFTCAP=softcap is not None,
-            NEED_SUM=label_smoothing > 0, BLOCK_M=ROW_BLOCK, BLOCK_N=COL_BLOCK)
+        _logits_gemm(gemm, p, hidden, weight, logits, t0, tb, 0, p.V, plan.ld, transpose_y, h_logits)
+        _chunk_stats(logits, plan.ld, bias, labels, stats, stats, tb, p.V, t0, 0, p, vocab_start, plan.tokens, t0,
+                     softcap, True, True, label_smoothing > 0)
         glob = stats if combine is None else combine(stats)
         token_loss(glob, labels, loss, flag, vocab_total=vocab_total, ignore_index=ignore_index,
                    label_smoothing=label_smoothing, z_loss=z_loss, row0=t0, n_tok=tb)
-        _grad_chunk(logits, plan.ld, logits, plan.ld, bias, labels, glob, None, None,
+        _grad_chunk(logits, plan.ld, bias, labels, glob, None, None,
                     dbias_acc if bias is not None else None, tb, p.V, t0, 0, t0,
                     p, vocab_start, vocab_total, ignore_index, softcap, label_smoothing, z_loss, False, dbias_parts)
         if dh is not None:
-            _dh_gemm(gemm, p, logits, plan.ld, weight, dh, t0 * p.D, p.D, tb, 0, p.V, alpha, 0.0, transpose_y)
+            _dh_gemm(gemm, p, logits, plan.ld, weight, dh, t0 * p.D, p.D, tb, 0, p.V, alpha, 0.0, transpose_y, h_dh)
         if dw is not None:
             beta = 1.0 if (t0 > 0 or accumulate_dw) else 0.0
-            _dw_gemm(gemm, p, logits, plan.ld, hidden, dw, t0, tb, 0, p.V, alpha, beta, transpose_y)
+            _dw_gemm(gemm, p, logits, plan.ld, hidden, dw, t0, tb, 0, p.V, alpha, beta, transpose_y, h_dw)
 
 
 def flops(n_tok: int, D: int, V: int) -> dict:
@@ -1052,22 +1099,21 @@ def compile_cases():
         hidden, labels, weight = spec((n_tok, D), dtype), spec((n_tok,), "int64"), spec((V, D), dtype)
         bias = spec((V,), dtype) if options else None
         vec, stats, state = spec((n_tok,), "float32"), spec((3, n_tok), "float32"), spec((4, n_tok), "float32")
-        plan = lean_plan(n_tok, V)
-        ws = {k: spec(*v) for k, v in lean_workspace(plan, D, dtype).items()}
-        opts = dict(plan=plan, softcap=30.0 if options else None)
+        plan = lean_plan(n_tok, V, D, dtype, backward=False)
+        bwd = lean_plan(n_tok, V, D, dtype, backward=True)
+        logits = spec(*lean_workspace(plan, D)["logits"])
+        ws = {k: spec(*v) for k, v in lean_workspace(bwd, D).items()}
+        opts = dict(plan=bwd, softcap=30.0 if options else None)
         tag = f"{dtype},T={n_tok},D={D},V={V}{',options' if options else ''}"
-        yield f"lce_lean_forward[{tag}]", lambda a=(hidden, weight, labels, bias, ws["logits"], state, stats), \
-            o=opts, ns=options: lean_forward(no_gemm, *a, need_sum=ns, **o)
-        yield f"lce_lean_backward[{tag}]", lambda a=(hidden, weight, labels, bias, vec, vec, vec, 0.5,
-                                                     spec((n_tok, D), dtype), spec((V, D), dtype),
-                                                     bias, ws["logits"], ws.get("g"), ws.get("dh_acc"),
-                                                     spec((V,), "float32")), \
-            o=opts, f=options: lean_backward(no_gemm, *a, label_smoothing=0.1 if f else 0.0, **o)
+        yield f"lce_lean_forward[{tag}]", lambda a=(hidden, weight, labels, bias, logits, state, stats), \
+            o=dict(opts, plan=plan), ns=options: lean_forward(no_gemm, *a, need_sum=ns, **o)
+        grad_args = (hidden, weight, labels, bias, vec, vec, vec, 0.5, spec((n_tok, D), dtype), spec((V, D), dtype),
+                     bias, ws["logits"], ws.get("dh_acc"), spec((V,), "float32"))
+        yield f"lce_lean_backward[{tag}]", lambda a=grad_args, o=opts, f=options: lean_backward(
+            no_gemm, *a, label_smoothing=0.1 if f else 0.0, **o)
         if options and dtype == "bfloat16":
-            yield f"lce_lean_backward[{tag},deterministic]", \
-                lambda a=(hidden, weight, labels, bias, vec, vec, vec, 0.5, spec((n_tok, D), dtype), spec((V, D), dtype),
-                          bias, ws["logits"], ws.get("g"), ws.get("dh_acc"), spec((V,), "float32")), o=opts, \
-                parts=spec(chunk_dbias_parts_shape(plan), "float32"): lean_backward(no_gemm, *a, dbias_parts=parts, **o)
+            yield f"lce_lean_backward[{tag},deterministic]", lambda a=grad_args, o=opts, \
+                parts=spec(chunk_dbias_parts_shape(bwd), "float32"): lean_backward(no_gemm, *a, dbias_parts=parts, **o)
         bplan = bounded_plan(n_tok, V, dtype, 2**26)
         yield f"lce_bounded_forward[{tag}]", lambda a=(hidden, weight, labels, bias,
                                                        spec((bplan.tokens, bplan.ld), dtype),
