@@ -149,6 +149,24 @@ def assert_sum_close(name: str, out, ref, term_magnitudes, dtype: str) -> float:
     return assert_close_to_terms(name, out, ref, term_magnitudes, dtype)
 
 
+def assert_sum_within(name: str, out, ref, term_magnitudes, limit: float, dtype: str = "float32") -> float:
+    """``assert_sum_close`` with ``assert_within``'s first measure: a gradient that sums terms over
+    every token passes norm-wise within ``limit`` and elementwise within ELEMENTWISE_FACTOR times it,
+    or, where the sum cancels far below its terms, with each element's error within ``dtype``'s bound
+    of the sum of its terms' magnitudes (DESIGN.md's measure for sums). Either passes it (NaN or inf
+    neither), so the ratio logged, and returned, is the smaller of the two."""
+    err, (worst, index) = rel_err(out, ref), max_err(out, ref)
+    by_norm = max(err / limit, worst / (ELEMENTWISE_FACTOR * limit))
+    by_terms = _error_over_terms(out, ref, term_magnitudes) / bound_for(dtype)
+    ratio = by_terms if by_terms < by_norm else by_norm  # (by_norm is inf where out is not finite)
+    _log_ratios(f"{name} ({dtype}, sum over tokens)", ratio)
+    if not (by_norm <= 1 or by_terms <= 1):
+        raise AssertionError(f"{name}: relative error {err:.3e}, largest {worst:.3e} of max|ref| (at {index}), "
+                             f"limit {limit:.3e}; error / sum of |terms| {by_terms * bound_for(dtype):.3e}, "
+                             f"bound {bound_for(dtype):.3e}")
+    return ratio
+
+
 def silu(x):
     """numpy silu, for float64 references."""
     return x / (1 + np.exp(-x))

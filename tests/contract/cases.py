@@ -56,7 +56,9 @@ class Entry:
     low_precision: Optional[tuple] = None
     o1: bool = True  # O1 (bf16 activations, fp32 weights) is accepted by the plain composition too
     amp_factor: Optional[float] = None  # see test_amp_dtypes: chains of bfloat16 roundings
-    token_sums: bool = False  # the weights' gradients are sums over every token that cancel (see the suite)
+    # the axes of the outputs that index tokens, where the weights' gradients are sums over every token
+    # whose terms cancel: they are then measured against the loss's per-token terms (see _check_grad)
+    token_axes: Optional[tuple] = None
     notes: dict = field(default_factory=dict)
     # check (or (check, backend)) -> a defect of a file owned elsewhere, reported: a strict xfail
     known: dict = field(default_factory=dict)
@@ -523,8 +525,9 @@ MAMBA2 = [
           notes={"amp": _NO_CPU_BF16_LINEAR}),
 ]
 
-# dA, dD, d(dt_bias), the conv weights' gradients: sums over every token whose terms cancel
+# dA, dD, d(dt_bias), the conv and projection weights' gradients: sums over every token whose terms
+# cancel; the outputs' tokens on axes (0, 2) for the scan and the conv ([batch, dim, seqlen]), else (0, 1)
 for _entry in MAMBA + MAMBA2:
-    _entry.token_sums = True
+    _entry.token_axes = (0, 2) if _entry.name.startswith(("selective_scan_fn", "causal_conv1d_fn")) else (0, 1)
 
 ENTRIES = NORMS + GATED + DENSE + LOSSES + MAMBA + MAMBA2
