@@ -165,8 +165,7 @@ def _is_weight(entry, name):
 def _check_grad(case, name, got, what, extra=0.0, spread=None):
     """A float32 gradient against the plain composition's. A weight's gradient of a ``token_axes``
     entry sums terms over every token, which can cancel far below them (Mamba2Block's dt_bias and
-    A_log gradients, two heads each, drew up to 0.73 of the relative-norm limit, 0.01 typically):
-    within SUM_FACTOR times the float32 bound by relative norm (1.3e-5 to 2.5e-5 seen for dA), or
+    A_log gradients over two heads): within SUM_FACTOR times the float32 bound by relative norm, or
     DESIGN.md's measure for sums, each element within the float32 bound of the sum of its terms'
     magnitudes (each token's term of the loss, the other consumers' gradient one more term). An
     alias, a lost accumulation or a stray gradient is off by O(1) in both."""
