@@ -228,8 +228,10 @@ def _block_hyper(rows: np.ndarray, shared: list, pieces) -> list:
 
 
 def _dtype_of(name: str, tensors: Sequence[paddle.Tensor]) -> str:
-    dtype = tensors[0].dtype  # compared as objects: naming each tensor's dtype costs more
-    if any(t.dtype != dtype for t in tensors):
+    # compared as objects, by identity first (Paddle 3.3's dtypes are singletons; == is a
+    # Python-level call): naming each tensor's dtype costs more
+    dtype = tensors[0].dtype
+    if any(t.dtype is not dtype and t.dtype != dtype for t in tensors):
         raise ValueError(f"adamw_multi_tensor_ref: {name} must share one dtype, got "
                          f"{sorted({_dtype_name(t) for t in tensors})}")
     return _dtype_name(tensors[0])
