@@ -434,8 +434,8 @@ class KernelGroup(_HeldGroup):
             raise ValueError(f"KernelGroup: table: expected shape [{len(self.sizes)}, 7], got {list(table.shape)}")
         self._scalars[:] = table[self._piece_tensor][:, [0, 5, 6]]
         narrow = [k for k, scratch in enumerate(self._scratch) if scratch.size]
-        # one stream for both moments (seeding a generator costs about as much as a moment's draws):
-        # per chunk, the first moment's draws, then the second's
+        # one stream for both moments (seeding a generator costs a third to a half of a moment's
+        # draws here): per chunk, the first moment's draws, then the second's
         rng = _bit_generator(tuple(random_key)) if stochastic_rounding and narrow else None
         for (chunk, size, entries, pairs), sets in zip(self._plans, self._sets(table)):
             for k in narrow:
