@@ -381,10 +381,18 @@ class FusedAdamW(Optimizer):
     @staticmethod
     def _dtype_groups(work, states) -> Dict[tuple, List[int]]:
         """Indices into ``work`` by (param dtype, grad dtype, master or not): one update each."""
-        groups: Dict[tuple, List[int]] = OrderedDict()
+        # matched by identity before equality: Paddle 3.3's dtypes are singletons, and hashing or
+        # comparing one is a Python-level call (a few us, per parameter and step)
+        groups: List[tuple] = []
         for i, ((param, grad, _), state) in enumerate(zip(work, states)):
-            groups.setdefault((param.dtype, grad.dtype, state.master is not None), []).append(i)
-        return groups
+            p_dtype, g_dtype, master = param.dtype, grad.dtype, state.master is not None
+            for (p, g, m), members in groups:
+                if m == master and (p is p_dtype or p == p_dtype) and (g is g_dtype or g == g_dtype):
+                    members.append(i)
+                    break
+            else:
+                groups.append(((p_dtype, g_dtype, master), [i]))
+        return OrderedDict(groups)
 
     def _step_reference(self, work, states, table) -> None:
         """One host update per dtype group, its random streams keyed by the step and the group. CPU

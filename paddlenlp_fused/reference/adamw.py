@@ -228,8 +228,10 @@ def _block_hyper(rows: np.ndarray, shared: list, pieces) -> list:
 
 
 def _dtype_of(name: str, tensors: Sequence[paddle.Tensor]) -> str:
-    dtype = tensors[0].dtype  # compared as objects: naming each tensor's dtype costs more
-    if any(t.dtype != dtype for t in tensors):
+    # compared as objects, by identity first (Paddle 3.3's dtypes are singletons; == is a
+    # Python-level call): naming each tensor's dtype costs more
+    dtype = tensors[0].dtype
+    if any(t.dtype is not dtype and t.dtype != dtype for t in tensors):
         raise ValueError(f"adamw_multi_tensor_ref: {name} must share one dtype, got "
                          f"{sorted({_dtype_name(t) for t in tensors})}")
     return _dtype_name(tensors[0])
@@ -351,8 +353,9 @@ class KernelGroup(_HeldGroup):
     on Paddle's multi-tensor AdamW kernel (``fused_adam_``: decoupled weight decay, bias correction
     from the given beta^t, one pass in C++ where HostGroup's numpy makes some 25). One call per set
     of tensors sharing (lr, weight decay, beta1, beta2, epsilon). 16-bit moments are widened into
-    float32 scratch and rounded back in numpy, _SCRATCH elements at a time, from SFC64 streams keyed
-    by ``random_key`` + (output,) over the group's elements in order, as HostGroup's. The arithmetic
+    float32 scratch and rounded back in numpy, _SCRATCH elements at a time, from one SFC64 stream
+    keyed by ``random_key`` (per chunk the first moment's draws, then the second's; HostGroup keys
+    one stream per output: the two paths' random bits differ, their distribution not). The arithmetic
     is AdamW's, not the Triton kernel's rounding for rounding (Paddle folds the bias corrections
     into the step size and epsilon). ``describes`` as HostGroup's."""
 
@@ -430,12 +433,13 @@ class KernelGroup(_HeldGroup):
         if table.shape != (len(self.sizes), 7):
             raise ValueError(f"KernelGroup: table: expected shape [{len(self.sizes)}, 7], got {list(table.shape)}")
         self._scalars[:] = table[self._piece_tensor][:, [0, 5, 6]]
-        rng = [_bit_generator(tuple(random_key) + (k,)) if stochastic_rounding and scratch.size else None
-               for k, scratch in enumerate(self._scratch)]
+        narrow = [k for k, scratch in enumerate(self._scratch) if scratch.size]
+        # one stream for both moments (seeding a generator costs a third to a half of a moment's
+        # draws here): per chunk, the first moment's draws, then the second's
+        rng = _bit_generator(tuple(random_key)) if stochastic_rounding and narrow else None
         for (chunk, size, entries, pairs), sets in zip(self._plans, self._sets(table)):
-            for k, scratch in enumerate(self._scratch):
-                if scratch.size:
-                    _widen(pairs[k], self._moment_dtypes[k], scratch[:size])
+            for k in narrow:
+                _widen(pairs[k], self._moment_dtypes[k], self._scratch[k][:size])
             for (_, weight_decay, beta1, beta2, epsilon), members in sets:
                 picked = [entries[n] for n in members]
                 gs = [grads[i] if piece is None else grads[i].reshape([-1])[piece[0]:piece[1]]
@@ -445,9 +449,10 @@ class KernelGroup(_HeldGroup):
                 _C_ops.fused_adam_([e[2] for e in picked], gs, picked[0][5][0], [e[3] for e in picked],
                                    [e[4] for e in picked], None, [e[5][1] for e in picked], [e[5][2] for e in picked],
                                    None, None, beta1, beta2, epsilon, 65536, weight_decay, True, False, True, False)
-            for k, scratch in enumerate(self._scratch):
-                if scratch.size:
-                    _narrow(scratch[:size], pairs[k], self._moment_views[k], chunk, self._moment_dtypes[k], rng[k])
+            draws = None if rng is None else _random16(rng, len(narrow) * size)
+            for j, k in enumerate(narrow):
+                _narrow(self._scratch[k][:size], pairs[k], self._moment_views[k], chunk, self._moment_dtypes[k],
+                        None if draws is None else draws[j * size:(j + 1) * size])
 
 
 def _widen(pairs, dtype: str, out: np.ndarray) -> None:
@@ -462,19 +467,24 @@ def _widen(pairs, dtype: str, out: np.ndarray) -> None:
         np.left_shift(out.view(np.uint32), 16, out=out.view(np.uint32))
 
 
-def _narrow(values: np.ndarray, pairs, views, pieces, dtype: str, rng: Optional[np.random.SFC64]) -> None:
-    """float32 scratch ``values`` back into the 16-bit tensors, rounded (stochastically when ``rng``).
-    bfloat16 without NaN, inf or values beyond the largest finite: adding the draw to the dropped 16
-    bits carries into the kept ones with probability (dropped bits) / 2^16, unbiased; in place, then
-    each piece's high halves copied out. Else ``_store``'s rounding."""
-    if rng is not None and dtype == "bfloat16" and values.max() < _BF16_EDGE and values.min() > -_BF16_EDGE:
+def _narrow(values: np.ndarray, pairs, views, pieces, dtype: str, r16: Optional[np.ndarray]) -> None:
+    """float32 scratch ``values`` back into the 16-bit tensors, rounded (stochastically with the
+    uniform uint16 draws ``r16``, one per value, when given). bfloat16 without NaN, inf or values
+    beyond the largest finite: adding the draw to the dropped 16 bits carries into the kept ones
+    with probability (dropped bits) / 2^16, unbiased; in place, then each piece's high halves copied
+    out. Else ``_stochastic_bits`` / ``_nearest_bits``."""
+    if r16 is not None and dtype == "bfloat16" and values.max() < _BF16_EDGE and values.min() > -_BF16_EDGE:
         bits = values.view(np.uint32)
-        np.add(bits, _random16(rng, values.size), out=bits)
+        np.add(bits, r16, out=bits)
         np.right_shift(bits, 16, out=bits)
         for out, part in pairs:
             np.copyto(out, part, casting="unsafe")
         return
-    _store(values, views, pieces, dtype, rng, False)
+    rounded = _nearest_bits(values, dtype) if r16 is None else _stochastic_bits(values, dtype, r16)
+    at = 0
+    for i, start, stop in pieces:
+        views[i][start:stop] = rounded[at:at + stop - start]
+        at += stop - start
 
 
 @paddle.no_grad()
