@@ -17,7 +17,7 @@ from paddlenlp_fused.layers.mamba2 import Mamba2Block, Mamba2InferenceParams
 from paddlenlp_fused.ops.mamba2 import mamba2_state_update, mamba_split_conv1d_scan_combined
 from paddlenlp_fused.reference.ssd import ssd_recurrence_ref
 from paddlenlp_fused.runtime.backend import BackendUnavailableError
-from paddlenlp_fused.testing.numerics import assert_close
+from paddlenlp_fused.testing.numerics import assert_close, assert_sum_close
 from paddlenlp_fused.runtime.triton_paddle import triton_args
 from helpers import as_leaf64, randn, to64
 
@@ -86,12 +86,21 @@ def test_block_matches_float64_composition(ngroups, norm_before_gate, dt_limit, 
                             -paddle.exp(params["A_log"]), params["D"], ngroups, HEADDIM, dt_limit,
                             params["norm.weight"], blk.norm.eps, norm_before_gate, params["out_proj.weight"],
                             params.get("out_proj.bias"))
-    (ref * paddle.to_tensor(grad_out.numpy().astype(np.float64))).sum().backward()
+    per_token = (ref * paddle.to_tensor(grad_out.numpy().astype(np.float64))).sum(axis=-1).flatten()
+    per_head = [n for n in ("dt_bias", "A_log", "D") if n in params]
+    terms = {n: np.zeros(params[n].shape) for n in per_head}
+    for t in range(per_token.shape[0]):  # each token's term of the per-head gradients (sums over tokens)
+        for n, g in zip(per_head, paddle.grad(per_token[t], [params[n] for n in per_head], retain_graph=True)):
+            terms[n] += np.abs(g.numpy())
+    per_token.sum().backward()
     assert_close("out", out.numpy(), ref.numpy(), "float32")
     assert_close("du", u.grad.numpy(), u64.grad.numpy(), "float32")
     for name, p in blk.named_parameters():
         assert p.grad is not None, name
-        assert_close(f"d{name}", p.grad.numpy(), params[name].grad.numpy(), "float32")
+        if name in terms:  # a few numbers, each summing every token's term: they can cancel (DESIGN.md)
+            assert_sum_close(f"d{name}", p.grad.numpy(), params[name].grad.numpy(), terms[name], "float32")
+        else:
+            assert_close(f"d{name}", p.grad.numpy(), params[name].grad.numpy(), "float32")
 
 
 def test_op_gate_without_norm_final_states_and_initial_states():
