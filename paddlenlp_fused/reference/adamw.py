@@ -206,8 +206,11 @@ def _store(values: np.ndarray, views: Sequence[np.ndarray], pieces, dtype: str, 
         else:
             views[i][start:stop] = values
         return
-    if dtype in _SIXTEEN_BIT:
-        values = _round_into(values, dtype, rng)
+    _scatter(_round_into(values, dtype, rng) if dtype in _SIXTEEN_BIT else values, views, pieces)
+
+
+def _scatter(values: np.ndarray, views: Sequence[np.ndarray], pieces) -> None:
+    """A block's ``values`` (or bit patterns) into its pieces (tensor index, start, stop) of ``views``."""
     at = 0
     for i, start, stop in pieces:
         views[i][start:stop] = values[at:at + stop - start]
@@ -480,11 +483,7 @@ def _narrow(values: np.ndarray, pairs, views, pieces, dtype: str, r16: Optional[
         for out, part in pairs:
             np.copyto(out, part, casting="unsafe")
         return
-    rounded = _nearest_bits(values, dtype) if r16 is None else _stochastic_bits(values, dtype, r16)
-    at = 0
-    for i, start, stop in pieces:
-        views[i][start:stop] = rounded[at:at + stop - start]
-        at += stop - start
+    _scatter(_nearest_bits(values, dtype) if r16 is None else _stochastic_bits(values, dtype, r16), views, pieces)
 
 
 @paddle.no_grad()
