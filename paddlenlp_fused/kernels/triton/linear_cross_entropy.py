@@ -992,14 +992,10 @@ def lean_backward(gemm, hidden, weight, labels, bias, lse, coef_p, coef_y, scale
             if dw is not None:
                 _dw_gemm(gemm, p, logits, ld_g, hidden, dw, t0, tb, c0, vc, scale, 0.0 if t0 == 0 else 1.0,
                          transpose_y, h_dw, plan.g_dtype)
-            if dh is not None:
-                first = 0.0 if c0 == 0 else 1.0
-                if narrow:
-                    _dh_gemm(gemm, p, logits, ld_g, weight, dh_acc, 0, p.D, tb, c0, vc, scale, first, transpose_y,
-                             h_dh, plan.g_dtype)
-                else:
-                    _dh_gemm(gemm, p, logits, ld_g, weight, dh, t0 * p.D, p.D, tb, c0, vc, scale, first,
-                             transpose_y, h_dh)
+            if dh is not None:  # into the fp32 accumulator, or fp32 dh itself
+                out, offset = (dh_acc, 0) if narrow else (dh, t0 * p.D)
+                _dh_gemm(gemm, p, logits, ld_g, weight, out, offset, p.D, tb, c0, vc, scale, 0.0 if c0 == 0 else 1.0,
+                         transpose_y, h_dh, plan.g_dtype)
         if dh is not None and narrow:
             _cast_scale(dh_acc, dh, tb * p.D, t0 * p.D)
     if dbias is not None:
