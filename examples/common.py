@@ -126,12 +126,31 @@ def example_args(description, sizes, plot, argv=None, default_lr=3e-3, fleet=Fal
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default=None, help=f"loss-curve PNG (default {plot})")
+    parser.add_argument("--moment-dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                        help="FusedAdamW's moments; auto: bfloat16 where FusedAdamW runs a kernel (GPU, "
+                             "TRITON_INTERPRET=1), float32 where it runs its CPU reference")
     args = parser.parse_args(argv)
     args.plot = args.plot or (plot(args) if callable(plot) else plot)
     args.config = dict(sizes[args.size], **({"batch": args.batch} if args.batch else {}))
     paddle.set_device(args.device)
     paddle.seed(args.seed)
+    args.moment_dtype = moment_dtype(args.moment_dtype)
     return args
+
+
+def moment_dtype(requested: str) -> str:
+    """``--moment-dtype``: ``auto`` is bfloat16 where FusedAdamW runs a kernel and float32 where it runs
+    its CPU reference. There Paddle's AdamW kernel updates the moments, and 16-bit moments cost numpy
+    passes around it (widening, random bits, stochastic rounding): the optimizer's step about twice
+    Paddle's AdamW, where float32 moments match it (README, "On CPU")."""
+    if requested != "auto":
+        return requested
+    from paddlenlp_fused.optimizer.adamw import IMPLEMENTED
+    from paddlenlp_fused.runtime.backend import resolve_backend
+
+    device = "gpu" if paddle.get_device().startswith("gpu") else "cpu"
+    kernel = resolve_backend("FusedAdamW", "auto", device, implemented=IMPLEMENTED) != "reference"
+    return "bfloat16" if kernel else "float32"
 
 
 def backend_summary(fused: bool) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from common import describe, example_args, finish, fit, make_data, plot_title
-from train_llama import make_optimizer
+from train_llama import make_optimizer, optimizer_label
 
 SIZES = {
     "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, intermediate=256, seq=64, batch=8),
@@ -60,11 +60,12 @@ def train(name, sizes, build_model, argv=None, default_lr=3e-3, loss_of=labelled
         report = swap_fused_layers(model)
         print(report)
         layers = [f"{kind} {count}" for kind, count in sorted(report.swapped.items())]
-        layers += list(fused_extras) + ["FusedAdamW"]
+        layers += list(fused_extras)
     else:
         model = build_model(cfg)
-        layers = ["PaddleNLP's own", "paddle.optimizer.AdamW"]
-    opt = make_optimizer(model, args.lr, args.fused)
+        layers = ["PaddleNLP's own"]
+    layers.append(optimizer_label(args))
+    opt = make_optimizer(model, args)
     data = make_data(args.data, cfg["vocab"], rng)
     label = f"{'fused' if args.fused else 'plain'} {name}"
     describe(f"{label} {args.size}", model, data, cfg["vocab"], layers, args.fused)

@@ -12,7 +12,8 @@ Model (``--fused``): embedding; per block ``FusedRMSNorm`` carrying the residual
 adds the block's previous output to the residual and normalises the sum in one op), causal attention
 (Paddle's ``scaled_dot_product_attention``), ``FusedMLP`` (SwiGLU, one ``fused_mlp_func`` call); a
 final ``FusedRMSNorm``; ``LinearCrossEntropy`` as LM head and loss (no ``[tokens, vocab]`` logits);
-``FusedAdamW`` (bfloat16 moments). ``--no-fused``: the residual add and RMSNorm, ``Linear`` + swiglu +
+``FusedAdamW`` (``--moment-dtype``: by default bfloat16 moments where it runs a kernel, float32 where it
+runs its CPU reference, see ``common.moment_dtype``). ``--no-fused``: the residual add and RMSNorm, ``Linear`` + swiglu +
 ``Linear``, ``Linear`` head + ``cross_entropy`` and ``paddle.optimizer.AdamW``. The ops run Triton or
 CUDA kernels on a GPU, Triton's interpreter on a CPU under ``TRITON_INTERPRET=1`` and the pure-Paddle
 reference otherwise; the first lines printed say which layers and which backend run.
@@ -126,14 +127,18 @@ class TinyLlama(nn.Layer):
         return F.cross_entropy(logits.reshape([-1, self.vocab]), labels.reshape([-1]))
 
 
-FUSED_LAYERS = ["FusedRMSNorm (residual add + norm)", "FusedMLP (swiglu)", "LinearCrossEntropy (LM head + loss)",
-                "FusedAdamW"]
-PLAIN_LAYERS = ["add + RMSNorm composition", "Linear + swiglu + Linear", "Linear head + cross_entropy",
-                "paddle.optimizer.AdamW"]
+FUSED_LAYERS = ["FusedRMSNorm (residual add + norm)", "FusedMLP (swiglu)", "LinearCrossEntropy (LM head + loss)"]
+PLAIN_LAYERS = ["add + RMSNorm composition", "Linear + swiglu + Linear", "Linear head + cross_entropy"]
 
 
-def make_optimizer(model, lr, fused, weight_decay=0.0, apply_decay_param_fun=None, moment_dtype="bfloat16"):
-    """FusedAdamW (``moment_dtype`` moments) under ``--fused``, else Paddle's AdamW: the same update."""
+def optimizer_label(args) -> str:
+    """The optimizer in the run's description."""
+    return f"FusedAdamW ({args.moment_dtype} moments)" if args.fused else "paddle.optimizer.AdamW"
+
+
+def make_optimizer(model, args, weight_decay=0.0, apply_decay_param_fun=None):
+    """FusedAdamW (``args.moment_dtype`` moments) under ``--fused``, else Paddle's AdamW: the same update."""
+    lr, fused, moment_dtype = args.lr, args.fused, args.moment_dtype
     if fused:
         return pf.FusedAdamW(lr, parameters=model.parameters(), weight_decay=weight_decay,
                              apply_decay_param_fun=apply_decay_param_fun, moment_dtype=moment_dtype)
@@ -188,7 +193,7 @@ def main_fleet(args):
         report = swap_fused_layers(model)
         if leader:
             print(report)
-    opt = make_optimizer(model, args.lr, args.fused)
+    opt = make_optimizer(model, args)
     rng = np.random.default_rng(args.seed)  # the data and batches of the single-process run, on every rank
     data = make_data(args.data, cfg["vocab"], rng)
 
@@ -201,8 +206,8 @@ def main_fleet(args):
 
     name = f"{'fused' if args.fused else 'plain'} PaddleNLP LLaMA tp{tp}{'+sp' if args.sequence_parallel else ''}"
     if leader:
-        layers = ["swap_fused_layers (report above)", "FusedAdamW"] if args.fused else \
-            ["fleet's parallel layers", "paddle.optimizer.AdamW"]
+        layers = ["swap_fused_layers (report above)" if args.fused else "fleet's parallel layers",
+                  optimizer_label(args)]
         describe(f"{name} {args.size}, {world} processes", model, data, cfg["vocab"], layers, args.fused)
     losses = fit(model, opt, data, cfg, args.steps, rng, loss_of=loss_of, after_backward=after_backward,
                  show=leader)
@@ -227,10 +232,11 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed)
     cfg = args.config
     model = TinyLlama(cfg, args.fused)
-    opt = make_optimizer(model, args.lr, args.fused)
+    opt = make_optimizer(model, args)
     data = make_data(args.data, cfg["vocab"], rng)
     label = f"{'fused' if args.fused else 'plain'} LLaMA {args.size}"
-    describe(label, model, data, cfg["vocab"], FUSED_LAYERS if args.fused else PLAIN_LAYERS, args.fused)
+    describe(label, model, data, cfg["vocab"], (FUSED_LAYERS if args.fused else PLAIN_LAYERS) + [optimizer_label(args)],
+             args.fused)
     losses = fit(model, opt, data, cfg, args.steps, rng, loss_of=lambda m, x, y: m(x, y))
     finish(losses, data, plot_title(f"{'fused' if args.fused else 'plain'} LLaMA", args.size, args.fused), args.plot)
     return losses

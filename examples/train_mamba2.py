@@ -25,7 +25,7 @@ import paddle.nn.functional as F
 
 import paddlenlp_fused as pf
 from common import describe, example_args, finish, fit, make_data, plot_title
-from train_llama import _norm, make_optimizer
+from train_llama import _norm, make_optimizer, optimizer_label
 
 SIZES = {
     "tiny": dict(vocab=256, hidden=64, layers=2, state=16, headdim=16, chunk=16, seq=64, batch=8),
@@ -71,14 +71,14 @@ def main(argv=None):
     model = TinyMamba2(cfg, args.fused)
     # mamba_ssm keeps weight decay off dt_bias, A_log and D (marked no_weight_decay)
     no_decay = {p.name for p in model.parameters() if getattr(p, "no_weight_decay", False)}
-    opt = make_optimizer(model, args.lr, args.fused, weight_decay=0.1,
+    opt = make_optimizer(model, args, weight_decay=0.1,
                          apply_decay_param_fun=lambda name: name not in no_decay)
     data = make_data(args.data, cfg["vocab"], rng)
     label = f"{'fused' if args.fused else 'plain'} Mamba-2"
-    layers = ["FusedRMSNorm (residual add + norm)", "Mamba2Block", "LinearCrossEntropy (LM head + loss)",
-              "FusedAdamW"] if args.fused else \
-        ["add + RMSNorm composition", "Mamba2Block on the reference ops", "Linear head + cross_entropy",
-         "paddle.optimizer.AdamW"]
+    layers = ["FusedRMSNorm (residual add + norm)", "Mamba2Block", "LinearCrossEntropy (LM head + loss)"] \
+        if args.fused else ["add + RMSNorm composition", "Mamba2Block on the reference ops",
+                            "Linear head + cross_entropy"]
+    layers.append(optimizer_label(args))
     describe(f"{label} {args.size}", model, data, cfg["vocab"], layers, args.fused)
     with contextlib.nullcontext() if args.fused else pf.use_backend("reference"):
         losses = fit(model, opt, data, cfg, args.steps, rng, loss_of=lambda m, x, y: m(x, y))

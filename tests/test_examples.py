@@ -27,12 +27,31 @@ def test_fused_and_plain_losses_match(module, tmp_path, capsys):
         pytest.importorskip("paddlenlp")
     fused = _run(module, tmp_path, "--fused")
     printed = capsys.readouterr().out
-    assert "backend: reference (forced)" in printed and "FusedAdamW" in printed, printed
+    # on the reference, FusedAdamW keeps float32 moments by default: Paddle's AdamW update, as the plain run's
+    assert "backend: reference (forced)" in printed and "FusedAdamW (float32 moments)" in printed, printed
     plain = _run(module, tmp_path, "--no-fused")
-    # the first loss is the same forward; later ones also differ by FusedAdamW's bfloat16 moments
+    np.testing.assert_allclose(fused, plain, rtol=1e-5)
+    assert (tmp_path / f"{module}.png").stat().st_size > 0
+
+
+def test_bfloat16_moments_follow_the_plain_run(tmp_path, capsys):
+    """The main job with FusedAdamW's bfloat16 moments (the default where it runs a kernel): the first loss
+    is the same forward, later ones differ by the moments' rounding."""
+    fused = _run("train_llama", tmp_path, "--moment-dtype", "bfloat16", steps=4)
+    assert "FusedAdamW (bfloat16 moments)" in capsys.readouterr().out
+    plain = _run("train_llama", tmp_path, "--no-fused", steps=4)
     assert abs(fused[0] - plain[0]) <= 1e-5 * abs(plain[0])
     np.testing.assert_allclose(fused, plain, rtol=2e-3)
-    assert (tmp_path / f"{module}.png").stat().st_size > 0
+    assert not np.array_equal(fused, plain)
+
+
+@pytest.mark.parametrize("backend, expected", [("reference", "float32"), ("triton", "bfloat16")])
+def test_moment_dtype_auto_follows_the_optimizer_backend(backend, expected):
+    """``--moment-dtype auto``: 16-bit moments where FusedAdamW runs its kernel (here Triton's interpreter,
+    which the suite turns on), float32 where it runs the CPU reference."""
+    with use_backend(backend):
+        assert common.moment_dtype("auto") == expected
+    assert common.moment_dtype("bfloat16") == "bfloat16" and common.moment_dtype("float32") == "float32"
 
 
 def test_main_job_names_our_layers(tmp_path, capsys):
