@@ -4,7 +4,8 @@ Every Paddle attribute that the GPU path (runtime.device, the Triton driver for 
 buffers) calls exists and accepts the arguments it is called with, on the installed Paddle; CI runs
 this file also on the oldest supported Paddle (``.ci/run``: a second environment). Triton's
 launcher specialises Paddle tensors exactly as torch tensors (dtype, 16-byte alignment). And the
-stream lookup works on a Paddle without ``paddle._C`` (Paddle 3.2; it raised AttributeError).
+stream lookup works on a Paddle without ``paddle._C`` (Paddle 3.2; it raised AttributeError). And
+``paddle.grad`` of one output of a several-output PyLayer (Paddle 3.2 segfaulted).
 """
 
 import ctypes
@@ -12,6 +13,7 @@ import inspect
 import sys
 import types
 
+import numpy as np
 import paddle
 import pytest
 import triton.language as tl
@@ -20,6 +22,7 @@ from triton.compiler.compiler import make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from paddlenlp_fused.kernels.cuda import library
+from paddlenlp_fused.ops._pylayer import TritonPyLayer, grads_for, needs_grad
 from paddlenlp_fused.runtime import device, versions
 
 GPU = "gpu:0"
@@ -180,3 +183,53 @@ def test_triton_specialises_paddle_tensors_as_torch_tensors(capability):
         _, ref, _ = binder(_TorchStyle(name, aligned.data_ptr()), _TorchStyle(name, shifted.data_ptr()), 32, BLOCK=4)
         assert got == ref, (name, got, ref)
         assert got[0] == (type_string, "D") and got[1] == (type_string, ""), (name, got)
+
+
+class _TwoOutputs(TritonPyLayer):
+    """(2x, x + r): the smallest several-output PyLayer on the ops' base class."""
+
+    @staticmethod
+    def forward(ctx, x, r):
+        ctx.needs_grad = needs_grad(x, r)
+        return x * 2.0, x + r
+
+    @staticmethod
+    def backward(ctx, dy, dh):
+        return grads_for(ctx, [dy * 2.0 + dh, dh])
+
+
+@pytest.mark.parametrize("how", ["paddle.grad of the first output", "paddle.grad of the second output", "backward"])
+def test_grad_of_one_output_of_a_several_output_pylayer(how):
+    """Paddle 3.2 segfaulted here (before the backward ran) while filling the other output's gradient
+    with zeros; the ops' base class fills it."""
+    x, r = paddle.to_tensor([1.0, -2.0, 3.0]), paddle.to_tensor([0.5, 0.5, 0.5])
+    x.stop_gradient = r.stop_gradient = False
+    y, h = _TwoOutputs.apply(x, r)
+    weights = paddle.to_tensor([1.0, 10.0, 100.0])
+    if how == "backward":
+        (y * weights).sum().backward()
+        dx, dr = x.grad, r.grad
+    else:
+        used = y if how.endswith("first output") else h
+        dx, dr = paddle.grad([used], [x, r], [weights])
+    expected_dx, expected_dr = ([2.0, 20.0, 200.0], [0.0, 0.0, 0.0]) if how != "paddle.grad of the second output" \
+        else ([1.0, 10.0, 100.0], [1.0, 10.0, 100.0])
+    assert dx.numpy().tolist() == expected_dx and dr.numpy().tolist() == expected_dr
+
+
+def test_grad_of_the_norm_output_without_its_residual_stream():
+    """The op where the segfault was found: prenorm LayerNorm with a residual on Triton (the
+    interpreter here), ``paddle.grad`` of y alone over every input."""
+    from paddlenlp_fused.ops.norm import layer_norm_fn
+
+    rng = np.random.default_rng(0)
+    inputs = [paddle.to_tensor(rng.standard_normal(shape).astype("float32")) for shape in ((4, 24), (24,), (24,), (4, 24))]
+    for t in inputs:
+        t.stop_gradient = False
+    dy = paddle.to_tensor(rng.standard_normal((4, 24)).astype("float32"))
+    grads = {}
+    for backend in ("triton", "reference"):
+        y, _ = layer_norm_fn(inputs[0], inputs[1], inputs[2], inputs[3], prenorm=True, backend=backend)
+        grads[backend] = paddle.grad([y], inputs, [dy])
+    for got, want in zip(grads["triton"], grads["reference"]):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)

@@ -3,6 +3,8 @@ input's place, and in-place launches on possibly strided state tensors."""
 
 from __future__ import annotations
 
+import functools
+
 import paddle
 from paddle.autograd import PyLayer
 
@@ -12,14 +14,39 @@ from ._checks import contiguous, device_of
 
 class TritonPyLayer(PyLayer):
     """A PyLayer whose forward and backward are each a Triton driver scope (``triton_scoped``): the
-    backward runs later, called by Paddle's autograd engine outside the op's own scope."""
+    backward runs later, called by Paddle's autograd engine outside the op's own scope.
+
+    The gradient of an output that nothing differentiated reaches the backward as zeros of the
+    output's shape and dtype, made here: Paddle 3.2 makes them itself only with a segfault
+    (``paddle.grad`` of one output of a several-output PyLayer), so its own filling is turned off."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        for name in ("forward", "backward"):
+        wrappers = {"forward": _recording_outputs, "backward": _materializing_grads}
+        for name, wrap in wrappers.items():
             method = vars(cls).get(name)
             if isinstance(method, staticmethod):
-                setattr(cls, name, staticmethod(triton_scoped(method.__func__)))
+                setattr(cls, name, staticmethod(triton_scoped(wrap(method.__func__))))
+
+
+def _recording_outputs(forward):
+    def wrapped(ctx, *args, **kwargs):
+        ctx.set_materialize_grads(False)
+        result = forward(ctx, *args, **kwargs)
+        outputs = result if isinstance(result, (tuple, list)) else (result,)
+        ctx.output_meta = [(list(t.shape), t.dtype, t.place) for t in outputs if isinstance(t, paddle.Tensor)]
+        return result
+
+    return functools.wraps(forward)(wrapped)
+
+
+def _materializing_grads(backward):
+    def wrapped(ctx, *grads):
+        grads = [paddle.zeros(shape, dtype=dtype, device=place) if g is None else g
+                 for g, (shape, dtype, place) in zip(grads, ctx.output_meta)] + list(grads[len(ctx.output_meta):])
+        return backward(ctx, *grads)
+
+    return functools.wraps(backward)(wrapped)
 
 
 def grads_for(ctx, grads):
