@@ -171,12 +171,13 @@ def backend_summary(fused: bool) -> str:
     return f"pure-Paddle reference{gpu_note}"
 
 
-def describe(label: str, model, data, vocab: int, layers, fused: bool):
-    """The run's opening lines: parameters, data, loss floor, and which layers and backend run."""
+def describe(label: str, model, data, vocab: int, layers, args):
+    """The run's opening lines: parameters, data, loss floor, and which layers, optimizer and backend run."""
     params = sum(int(np.prod(p.shape)) for p in model.parameters()) / 1e6
     print(f"{label}: {params:.2f}M parameters; data: {data.name}; {data.floor_label} {data.floor:.3f}, "
           f"uniform {math.log(vocab):.3f}")
-    print(f"  layers: {', '.join(layers)}; backend: {backend_summary(fused)}")
+    optimizer = f"FusedAdamW ({args.moment_dtype} moments)" if args.fused else "paddle.optimizer.AdamW"
+    print(f"  layers: {', '.join([*layers, optimizer])}; backend: {backend_summary(args.fused)}")
 
 
 def fit(model, opt, data, cfg, steps, rng, loss_of, after_backward=None, show=True):

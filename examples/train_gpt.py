@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from common import describe, example_args, finish, fit, make_data, plot_title
-from train_llama import make_optimizer, optimizer_label
+from train_llama import make_optimizer
 
 SIZES = {
     "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, intermediate=256, seq=64, batch=8),
@@ -64,11 +64,10 @@ def train(name, sizes, build_model, argv=None, default_lr=3e-3, loss_of=labelled
     else:
         model = build_model(cfg)
         layers = ["PaddleNLP's own"]
-    layers.append(optimizer_label(args))
     opt = make_optimizer(model, args)
     data = make_data(args.data, cfg["vocab"], rng)
     label = f"{'fused' if args.fused else 'plain'} {name}"
-    describe(f"{label} {args.size}", model, data, cfg["vocab"], layers, args.fused)
+    describe(f"{label} {args.size}", model, data, cfg["vocab"], layers, args)
     losses = fit(model, opt, data, cfg, args.steps, rng, loss_of=loss_of)
     finish(losses, data, plot_title(label, args.size, args.fused), args.plot)
     return losses

@@ -131,18 +131,12 @@ FUSED_LAYERS = ["FusedRMSNorm (residual add + norm)", "FusedMLP (swiglu)", "Line
 PLAIN_LAYERS = ["add + RMSNorm composition", "Linear + swiglu + Linear", "Linear head + cross_entropy"]
 
 
-def optimizer_label(args) -> str:
-    """The optimizer in the run's description."""
-    return f"FusedAdamW ({args.moment_dtype} moments)" if args.fused else "paddle.optimizer.AdamW"
-
-
 def make_optimizer(model, args, weight_decay=0.0, apply_decay_param_fun=None):
     """FusedAdamW (``args.moment_dtype`` moments) under ``--fused``, else Paddle's AdamW: the same update."""
-    lr, fused, moment_dtype = args.lr, args.fused, args.moment_dtype
-    if fused:
-        return pf.FusedAdamW(lr, parameters=model.parameters(), weight_decay=weight_decay,
-                             apply_decay_param_fun=apply_decay_param_fun, moment_dtype=moment_dtype)
-    return paddle.optimizer.AdamW(lr, parameters=model.parameters(), weight_decay=weight_decay,
+    if args.fused:
+        return pf.FusedAdamW(args.lr, parameters=model.parameters(), weight_decay=weight_decay,
+                             apply_decay_param_fun=apply_decay_param_fun, moment_dtype=args.moment_dtype)
+    return paddle.optimizer.AdamW(args.lr, parameters=model.parameters(), weight_decay=weight_decay,
                                   apply_decay_param_fun=apply_decay_param_fun)
 
 
@@ -206,9 +200,8 @@ def main_fleet(args):
 
     name = f"{'fused' if args.fused else 'plain'} PaddleNLP LLaMA tp{tp}{'+sp' if args.sequence_parallel else ''}"
     if leader:
-        layers = ["swap_fused_layers (report above)" if args.fused else "fleet's parallel layers",
-                  optimizer_label(args)]
-        describe(f"{name} {args.size}, {world} processes", model, data, cfg["vocab"], layers, args.fused)
+        layers = ["swap_fused_layers (report above)" if args.fused else "fleet's parallel layers"]
+        describe(f"{name} {args.size}, {world} processes", model, data, cfg["vocab"], layers, args)
     losses = fit(model, opt, data, cfg, args.steps, rng, loss_of=loss_of, after_backward=after_backward,
                  show=leader)
     if leader:
@@ -235,8 +228,7 @@ def main(argv=None):
     opt = make_optimizer(model, args)
     data = make_data(args.data, cfg["vocab"], rng)
     label = f"{'fused' if args.fused else 'plain'} LLaMA {args.size}"
-    describe(label, model, data, cfg["vocab"], (FUSED_LAYERS if args.fused else PLAIN_LAYERS) + [optimizer_label(args)],
-             args.fused)
+    describe(label, model, data, cfg["vocab"], FUSED_LAYERS if args.fused else PLAIN_LAYERS, args)
     losses = fit(model, opt, data, cfg, args.steps, rng, loss_of=lambda m, x, y: m(x, y))
     finish(losses, data, plot_title(f"{'fused' if args.fused else 'plain'} LLaMA", args.size, args.fused), args.plot)
     return losses

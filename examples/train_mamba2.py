@@ -25,7 +25,7 @@ import paddle.nn.functional as F
 
 import paddlenlp_fused as pf
 from common import describe, example_args, finish, fit, make_data, plot_title
-from train_llama import _norm, make_optimizer, optimizer_label
+from train_llama import _norm, make_optimizer
 
 SIZES = {
     "tiny": dict(vocab=256, hidden=64, layers=2, state=16, headdim=16, chunk=16, seq=64, batch=8),
@@ -78,8 +78,7 @@ def main(argv=None):
     layers = ["FusedRMSNorm (residual add + norm)", "Mamba2Block", "LinearCrossEntropy (LM head + loss)"] \
         if args.fused else ["add + RMSNorm composition", "Mamba2Block on the reference ops",
                             "Linear head + cross_entropy"]
-    layers.append(optimizer_label(args))
-    describe(f"{label} {args.size}", model, data, cfg["vocab"], layers, args.fused)
+    describe(f"{label} {args.size}", model, data, cfg["vocab"], layers, args)
     with contextlib.nullcontext() if args.fused else pf.use_backend("reference"):
         losses = fit(model, opt, data, cfg, args.steps, rng, loss_of=lambda m, x, y: m(x, y))
     finish(losses, data, plot_title(label, args.size, args.fused), args.plot)
