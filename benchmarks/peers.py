@@ -10,26 +10,64 @@ Triton module itself (and what it imports). Nothing of the peers is kept in this
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
+import os
 import pathlib
+import stat
 import sys
 import tarfile
 import tempfile
 import types
 import zipfile
+from typing import NamedTuple
 
 WHEEL_DIR = pathlib.Path(__file__).resolve().parent.parent / ".whl"
-# top-level package -> the pinned file fetch_peers.py downloads
+
+
+class Pinned(NamedTuple):
+    filename: str
+    sha256: str
+
+
+# top-level package -> the pinned file fetch_peers.py downloads: the newest release of each peer
 PINNED = {
-    "cut_cross_entropy": "cut_cross_entropy-25.1.1-py3-none-any.whl",
-    "liger_kernel": "liger_kernel-0.6.4-py3-none-any.whl",  # the one Liger of every case (linear CE too)
-    "inf_cl": "inf_cl-1.2.1-py3-none-any.whl",
-    "mamba_ssm": "mamba_ssm-2.3.2.post1.tar.gz",
-    "flash_attn": "flash_attn-2.8.3.post2.tar.gz",
-    "causal_conv1d": "causal_conv1d-1.7.0.tar.gz",
+    "cut_cross_entropy": Pinned("cut_cross_entropy-25.1.1-py3-none-any.whl",
+                                "e46f26d348f6a67927d17e65c5a212e795be13dcad5b10a77a200d6b8102d9d1"),
+    "liger_kernel": Pinned("liger_kernel-0.8.5-py3-none-any.whl",  # the one Liger of every case (linear CE too)
+                           "60789cd576af073ab9b192b570d2597fd0cdad489cd62fb44fb16256d43754c9"),
+    "inf_cl": Pinned("inf_cl-1.2.1-py3-none-any.whl",
+                     "c9657b6ddd592a08ce41906eb81f865f4d7ddafda2287215702be1e0e5bd8acf"),
+    "mamba_ssm": Pinned("mamba_ssm-2.3.2.post1.tar.gz",
+                        "104cc47e9101e5401a675fa2b784f2952b9b037f3b1dd83b5ac544394e95d028"),
+    "flash_attn": Pinned("flash_attn-2.8.3.post2.tar.gz",
+                         "d0f9f0b08a986cdeadbffcf5ec8b3a8f514366c68ad1853d3ab061bc83cc340b"),
+    "causal_conv1d": Pinned("causal_conv1d-1.7.0.tar.gz",
+                            "3202758494eaa7b597ce1c282dfa188889506bfcb92cad3c407d26736bfcd32b"),
 }
-_EXTRACTED = pathlib.Path(tempfile.gettempdir()) / "paddlenlp_fused_peers"
+
+
+def sha256_of(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def cache_dir() -> pathlib.Path:
+    """This user's folder for extracted peers: ``$XDG_CACHE_HOME`` (else ``~/.cache``)
+    ``/paddlenlp_fused/peers``, made private. Python is imported from it, so a folder another user
+    could have planted (a fixed name under the shared temp folder, say) is refused."""
+    base = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+    root = base / "paddlenlp_fused" / "peers"
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info = root.stat()
+    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ImportError(f"{root}: not a private folder of this user (owner uid {info.st_uid}, "
+                          f"mode {stat.filemode(info.st_mode)}); remove it or set XDG_CACHE_HOME")
+    return root
 
 
 def _installed_dir(top: str):
@@ -44,12 +82,12 @@ def _installed_dir(top: str):
     return pathlib.Path(list(spec.submodule_search_locations)[0])
 
 
-def _extract(top: str, archive: pathlib.Path) -> pathlib.Path:
-    """The package folder of ``archive`` (a wheel or an sdist), extracted once under the temp dir."""
-    root = _EXTRACTED / archive.name
+def _extract(top: str, archive: pathlib.Path, sha256: str) -> pathlib.Path:
+    """The package folder of ``archive`` (a wheel or an sdist) whose content hash is ``sha256``,
+    extracted once into this user's cache under a folder named by that hash."""
+    root = cache_dir() / f"{archive.name}-{sha256[:16]}"
     if not (root / top).is_dir():
-        _EXTRACTED.mkdir(parents=True, exist_ok=True)
-        staging = pathlib.Path(tempfile.mkdtemp(prefix=".partial-", dir=_EXTRACTED))
+        staging = pathlib.Path(tempfile.mkdtemp(prefix=".partial-", dir=root.parent))
         if archive.suffix == ".whl":
             with zipfile.ZipFile(archive) as zf:
                 zf.extractall(staging, [n for n in zf.namelist() if n.startswith(f"{top}/")])
@@ -66,11 +104,15 @@ def package_dir(top: str) -> pathlib.Path:
     found = _installed_dir(top)
     if found is not None:
         return found
-    archive = WHEEL_DIR / PINNED[top]
+    pinned = PINNED[top]
+    archive = WHEEL_DIR / pinned.filename
     if not archive.is_file():
-        raise ImportError(f"{top}: neither installed nor {archive} (run benchmarks/fetch_peers.py where PyPI "
-                          "is reachable and carry .whl)")
-    return _extract(top, archive)
+        raise ImportError(f"{top}: neither installed nor {archive} (run benchmarks/fetch_peers.py where the "
+                          "package index is reachable and carry .whl)")
+    digest = sha256_of(archive)
+    if digest != pinned.sha256:
+        raise ImportError(f"{archive}: sha256 {digest}, pinned {pinned.sha256}")
+    return _extract(top, archive, digest)
 
 
 def load(module: str):
@@ -95,4 +137,4 @@ def describe(top: str) -> str:
 
         return f"{top} {version(top)} (installed)"
     except Exception:  # not installed: the pinned archive in .whl
-        return PINNED[top]
+        return PINNED[top].filename

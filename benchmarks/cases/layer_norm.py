@@ -249,8 +249,7 @@ def run_norm(provider, quick: bool, is_rms: bool, sweep: bool = False) -> dict:
         del x, w, b, dy, impls, leaves
 
     return {"shape": {"M": M, "N": N, "dtype": DTYPE, "weight": "weight" if is_rms else "weight+bias"},
-            "bytes": {"fwd": fwd_bytes, "fwdbwd": fwdbwd_bytes,
-                      "floor_fwdbwd_ms_at_4.25TBps": fwdbwd_bytes / 4.25e12 * 1e3},
+            "bytes": {"fwd": fwd_bytes, "fwdbwd": fwdbwd_bytes},
             "rows": rows, "skipped": skipped, "target": TARGETS[is_rms], "sweep": sizes,
             "timing": "*_ms: eager launcher calls (common.bench_ms); *_graph_ms: the same calls replayed as a "
                       "CUDA graph (no host launch cost); both medians with L2 flushed before each call",

@@ -29,7 +29,6 @@ from common import GiB, TFLOPs, bench_ms, peak_GiB
 
 from paddlenlp_fused.kernels.triton import linear_cross_entropy as K
 
-PEAK_TFLOPS = 787
 BOUND_GiB = 1.0
 
 

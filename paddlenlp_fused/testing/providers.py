@@ -47,6 +47,9 @@ class TorchProvider:
     def copy_(self, dst, src):
         dst.copy_(src)
 
+    def matmul(self, a, b):
+        return self.torch.matmul(a, b)
+
     def synchronize(self):
         self.torch.cuda.synchronize()
 
@@ -100,6 +103,9 @@ class PaddleProvider:
 
     def copy_(self, dst, src):
         self.paddle.assign(src, output=dst)
+
+    def matmul(self, a, b):
+        return self.paddle.matmul(a, b)
 
     def synchronize(self):
         self.paddle.device.synchronize()
