@@ -15,6 +15,15 @@ load): ``{name}_moment1_0``, ``{name}_moment2_0``, ``{name}_beta1_pow_acc_0``,
 ``"LR_Scheduler"``; plus ``STEP_KEY``: int64 [step, seed] of the stochastic-rounding stream, so a
 reloaded run continues with the same random numbers.
 
+Inside fleet's wrappers: the clip is read at step time, so ``HybridParallelClipGrad`` (and the
+sharding optimizers' clips) that fleet installs in ``_grad_clip`` after construction apply, also
+to parameter groups that took the constructor's clip; ``_apply_optimize`` applies exactly the
+(param, grad) pairs or the parameter-group dict that ``DygraphShardingOptimizer`` and
+``MixPrecisionOptimizer`` pass, ``main_grad`` included; the parameter list is read at step time
+(sharding narrows it to this rank's). The kernel path keeps its per-parameter-set tables for the
+``TABLE_CACHE_SIZE`` most recent sets, so routing that changes which parameters have a gradient
+(MoE) does not grow them.
+
 Host work per step: Python over the parameters (gradients, hyper-parameters, the offsets table of
 the addresses, ~5 us a parameter) and one upload of the per-tensor scalar table, which Paddle copies
 synchronously: the GPU idles for the host work that follows it in the step (the launch itself).
@@ -75,6 +84,28 @@ def _dtype_name(dtype) -> str:
     name = T.dtype_name(dtype) if not isinstance(dtype, str) else dtype
     return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16", "float": "float32"}.get(
         name, name)
+
+
+TABLE_CACHE_SIZE = 8  # sets of parameters whose kernel tables are kept; a step uses one per dtype group
+
+
+class _LRU:
+    """At most ``size`` entries; ``put`` makes an entry the most recent, evicting the oldest."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self._entries = size, OrderedDict()
+
+    def get(self, key):
+        return self._entries.get(key)
+
+    def put(self, key, value) -> None:
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 class _ParamState:
@@ -166,8 +197,9 @@ class FusedAdamW(Optimizer):
         self._step_count = 0
         # the stochastic-rounding stream follows paddle.seed without drawing from Paddle's generator
         self._seed = int(paddle.base.core.default_cpu_generator().initial_seed()) & 0xFFFFFFFF
-        self._chunk_tables: Dict[tuple, tuple] = {}
-        self._offset_tables: Dict[tuple, tuple] = {}
+        # device tables per set of parameters with a gradient: MoE routing changes that set from
+        # step to step, so only the most recently used few are kept
+        self._tables = _LRU(TABLE_CACHE_SIZE)
         self._host_groups: Dict[tuple, HostGroup | KernelGroup] = {}
         for param in self._all_params():
             if T.dtype_name(param) not in T.FLOAT_DTYPES:
@@ -206,9 +238,19 @@ class FusedAdamW(Optimizer):
         self._param_groups.append(param_group)
 
     def _groups(self) -> List[dict]:
+        # fleet's sharding wrappers replace _parameter_list and _param_groups with this rank's
+        # parameters (a list, not groups), so both are read at step time
         if self._param_groups and isinstance(self._param_groups[0], dict):
             return self._param_groups
         return [dict(self._group_defaults, params=self._parameter_list)]
+
+    def _clip_of(self, group: dict) -> Optional[GradientClipBase]:
+        """The clip a group applies now. A group holding the constructor's clip follows
+        ``self._grad_clip``, which fleet's wrappers replace after construction
+        (``HybridParallelClipGrad``, ``GroupShardedClipGrad``); a clip the group was given itself,
+        or that a wrapper put into the group, stays the group's, as in Paddle's Optimizer."""
+        clip = group.get("grad_clip", self._group_defaults["grad_clip"])
+        return self._grad_clip if clip is self._group_defaults["grad_clip"] else clip
 
     def _all_params(self):
         return [p for group in self._groups() for p in group["params"]]
@@ -311,26 +353,27 @@ class FusedAdamW(Optimizer):
         return grad
 
     def _params_and_grads(self):
-        """[(param, grad, group)] of the parameters that have a gradient, after each group's grad_clip
+        """[(param, grad, group)] of the parameters that have a gradient, after each group's clip
         and any per-parameter regularizer (as Paddle's Optimizer applies them)."""
         out = []
         for group in self._groups():
-            pairs = []
-            for param in group["params"]:
-                grad = None if param.stop_gradient else self._grad_of(param)
-                if grad is None:
-                    continue
-                if hasattr(grad, "is_selected_rows") and grad.is_selected_rows():
-                    raise NotImplementedError(f"FusedAdamW: sparse (SelectedRows) gradient of {param.name} is not "
-                                              "supported")
-                pairs.append((param, grad))
-            if not pairs:
-                continue
-            if group["grad_clip"] is not None:
-                pairs = group["grad_clip"](pairs)
-            pairs = self.append_regularization_ops(pairs, None)
-            out += [(param, grad, group) for param, grad in pairs]
+            pairs = [(param, self._grad_of(param)) for param in group["params"] if not param.stop_gradient]
+            out += self._clipped(pairs, group, self._clip_of(group))
         return out
+
+    def _clipped(self, pairs, group: dict, clip: Optional[GradientClipBase]):
+        """[(param, grad, group)] of ``pairs`` with a gradient, after ``clip`` and the regularizers."""
+        pairs = [(param, grad) for param, grad in pairs if grad is not None]
+        for param, grad in pairs:
+            if hasattr(grad, "is_selected_rows") and grad.is_selected_rows():
+                raise NotImplementedError(f"FusedAdamW: sparse (SelectedRows) gradient of {param.name} is not "
+                                          "supported")
+        if not pairs:
+            return []
+        if clip is not None:
+            pairs = clip(pairs)
+        pairs = self.append_regularization_ops(pairs, None)
+        return [(param, grad, group) for param, grad in pairs]
 
     def _found_inf(self) -> bool:
         """AMP's GradScaler hands over found_inf; a step with inf/nan gradients is skipped (Paddle)."""
@@ -344,11 +387,44 @@ class FusedAdamW(Optimizer):
     @paddle.no_grad()
     def step(self) -> None:
         """One AdamW step of every parameter that has a gradient."""
-        if in_to_static_mode():
-            raise NotImplementedError("FusedAdamW runs in dygraph mode only (not inside paddle.jit.to_static)")
+        self._check_eager("step")
         if self._found_inf():
             return
-        work = self._params_and_grads()
+        self._update(self._params_and_grads())
+
+    @staticmethod
+    def _check_eager(what: str) -> None:
+        if in_to_static_mode() or not paddle.in_dynamic_mode():
+            raise NotImplementedError(f"FusedAdamW.{what}: FusedAdamW updates parameters eagerly (dygraph); it "
+                                      "has no static-graph program (paddle.jit.to_static, paddle.static)")
+
+    @paddle.no_grad()
+    def _apply_optimize(self, loss, startup_program, params_grads, param_group_idx=0):
+        """Apply exactly ``params_grads``, as fleet's ``DygraphShardingOptimizer`` (this rank's
+        shard) and ``MixPrecisionOptimizer`` (``main_grad``) call it: a list of (param, grad),
+        clipped by ``self._grad_clip``, or a parameter group's dict (``params``: the pairs, plus the
+        group's options), clipped by its own clip. Honours AMP's found_inf. Returns no ops (dygraph)."""
+        self._check_eager("_apply_optimize")
+        if self._found_inf():
+            return []
+        if isinstance(params_grads, dict):
+            group = dict(self._group_defaults)
+            group.update((key, value) for key, value in params_grads.items() if key != "params")
+            work = self._clipped(self._live(params_grads["params"]), group, self._clip_of(group))
+        else:
+            group_of = {id(param): group for group in self._groups() for param in group["params"]}
+            pairs = self._live(params_grads)
+            work = [(param, grad, group_of.get(id(param), self._group_defaults))
+                    for param, grad, _ in self._clipped(pairs, self._group_defaults, self._grad_clip)]
+        self._update(work)
+        return []
+
+    @staticmethod
+    def _live(pairs):
+        return [(param, grad) for param, grad in pairs if not param.stop_gradient]
+
+    def _update(self, work) -> None:
+        """One AdamW step of ``work``: [(param, grad, group)], already clipped."""
         if not work:
             return
         self._step_count += 1
@@ -433,17 +509,17 @@ class FusedAdamW(Optimizer):
             masters = [states[i].master for i in members] if kind[2] else None
             place = params[0].place
             plan_key = kind + tuple((p.name, int(p.size)) for p in params)
-            if plan_key not in self._chunk_tables:
+            tables = self._tables.get(plan_key)
+            if tables is None:
                 check_group(params, grads, exp_avgs, exp_avg_sqs, masters)
                 chunk_tensor, first_chunk = plan_chunks([int(p.size) for p in params])
-                self._chunk_tables[plan_key] = (paddle.to_tensor(chunk_tensor, place=place), first_chunk)
-            chunk_tensor, first_chunk = self._chunk_tables[plan_key]
+                tables = [paddle.to_tensor(chunk_tensor, place=place), first_chunk, None]
+            self._tables.put(plan_key, tables)
+            chunk_tensor, first_chunk, cached = tables
             offsets = offsets_table(params, grads, exp_avgs, exp_avg_sqs, masters, first_chunk)
-            cached = self._offset_tables.get(plan_key)
             if cached is None or not np.array_equal(cached[0], offsets):  # grads move when reallocated
-                cached = (offsets, paddle.to_tensor(offsets, place=place),
-                          table_aligned(offsets, params, grads, exp_avgs, exp_avg_sqs, masters))
-                self._offset_tables[plan_key] = cached
+                cached = tables[2] = (offsets, paddle.to_tensor(offsets, place=place),
+                                      table_aligned(offsets, params, grads, exp_avgs, exp_avg_sqs, masters))
             # a synchronous host-to-device copy in Paddle: the GPU waits for the rest of this step's
             # host work (small once validated); see the module docstring
             hyper = paddle.to_tensor(np.ascontiguousarray(rows[members]), place=place)
