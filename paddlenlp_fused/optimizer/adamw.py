@@ -8,8 +8,10 @@ What changes is the storage: the first and second moments are kept in ``moment_d
 by default; half the bytes of Paddle's float32 moments), rounded stochastically so that they stay
 unbiased, and float16/bfloat16 parameters get float32 master weights when ``multi_precision``.
 
-State-dict layout follows Paddle's AdamW, so checkpoints move between the two (moments are cast on
-load): ``{name}_moment1_0``, ``{name}_moment2_0``, ``{name}_beta1_pow_acc_0``,
+State-dict layout follows Paddle's AdamW, so checkpoints move between the two (moments written in
+``checkpoint_moment_dtype``, float32 by default as Paddle's AdamW asserts, and cast to
+``moment_dtype`` on load): ``{name}_moment1_0``, ``{name}_moment2_0`` (``{name}_moment2_max_0``
+with AMSGrad), ``{name}_beta1_pow_acc_0``,
 ``{name}_beta2_pow_acc_0`` where ``name`` is the parameter's name, or its master weight's
 (``{param}_fp32_master_0``) when it has one; ``"master_weights"``: {param name: fp32 tensor};
 ``"LR_Scheduler"``; plus ``STEP_KEY``: int64 [step, seed] of the stochastic-rounding stream, so a
@@ -53,6 +55,8 @@ STEP_KEY = "FusedAdamW.step_seed"
 _SIXTEEN_BIT = ("float16", "bfloat16")
 _GROUP_KEYS = ("params", "learning_rate", "weight_decay", "beta1", "beta2", "epsilon", "grad_clip", "lazy_mode")
 IMPLEMENTED = ("triton", "reference")
+_AMSGRAD_ON_KERNEL = ("amsgrad: FusedAdamW's Triton kernel has no AMSGrad yet; use backend='reference' (a host "
+                      "update, slow on a GPU) or paddle.optimizer.AdamW(amsgrad=True)")
 
 
 def _float(name: str, value) -> float:
@@ -111,10 +115,11 @@ class _LRU:
 class _ParamState:
     """Optimizer state of one parameter. ``key``: the name its state-dict entries start with."""
 
-    __slots__ = ("key", "exp_avg", "exp_avg_sq", "master", "beta1_pow", "beta2_pow")
+    __slots__ = ("key", "exp_avg", "exp_avg_sq", "exp_avg_sq_max", "master", "beta1_pow", "beta2_pow")
 
-    def __init__(self, key, exp_avg, exp_avg_sq, master, beta1_pow, beta2_pow):
+    def __init__(self, key, exp_avg, exp_avg_sq, exp_avg_sq_max, master, beta1_pow, beta2_pow):
         self.key, self.exp_avg, self.exp_avg_sq, self.master = key, exp_avg, exp_avg_sq, master
+        self.exp_avg_sq_max = exp_avg_sq_max
         self.beta1_pow, self.beta2_pow = np.float32(beta1_pow), np.float32(beta2_pow)
 
 
@@ -149,6 +154,13 @@ class FusedAdamW(Optimizer):
             stochastically, unbiased (default True); else round to nearest-even.
         backend: "auto" (Triton on GPU and under TRITON_INTERPRET=1, else the reference),
             "triton" or "reference".
+        amsgrad: AMSGrad as Paddle's AdamW (divide by the running maximum of the second moment,
+            kept in ``moment_dtype``, state-dict key ``{name}_moment2_max_0``). The reference
+            backend only: the Triton kernel does not have it yet (NotImplementedError).
+        checkpoint_moment_dtype: the dtype ``state_dict()`` writes the moments in: "float32"
+            (default: the checkpoint loads into ``paddle.optimizer.AdamW``, which asserts float32
+            moments) or None for ``moment_dtype`` (16-bit moments halve their bytes in the
+            checkpoint; only FusedAdamW loads it). Loading casts to ``moment_dtype`` either way.
     """
 
     def __init__(self, learning_rate: float | LRScheduler = 0.001, beta1=0.9, beta2=0.999, epsilon=1e-8,
@@ -156,7 +168,8 @@ class FusedAdamW(Optimizer):
                  moment_dtype="bfloat16", multi_precision: bool = True, stochastic_rounding: bool = True,
                  apply_decay_param_fun: Optional[Callable[[str], bool]] = None,
                  lr_ratio: Optional[Callable[[paddle.Tensor], float]] = None, name: Optional[str] = None,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", amsgrad: bool = False,
+                 checkpoint_moment_dtype: Optional[str] = "float32") -> None:
         if parameters is None:
             raise ValueError("parameters: FusedAdamW runs in dygraph mode and needs the parameters to update, got None")
         if isinstance(learning_rate, int) and not isinstance(learning_rate, bool):
@@ -178,6 +191,15 @@ class FusedAdamW(Optimizer):
             raise ValueError(f"backend: expected one of {['auto', *BACKENDS]}, got {backend!r}")
         if backend != "auto" and backend not in IMPLEMENTED:  # as every op says it (resolve_backend), but early
             raise BackendUnavailableError(f"FusedAdamW: no {backend!r} implementation; this op has {list(IMPLEMENTED)}")
+        if not isinstance(amsgrad, bool):
+            raise TypeError(f"amsgrad: expected a bool, got {type(amsgrad).__name__}")
+        if amsgrad and backend == "triton":
+            raise NotImplementedError(_AMSGRAD_ON_KERNEL)
+        if checkpoint_moment_dtype is not None:
+            checkpoint_moment_dtype = _dtype_name(checkpoint_moment_dtype)
+            if checkpoint_moment_dtype not in MOMENT_DTYPES:
+                raise ValueError(f"checkpoint_moment_dtype: expected one of {list(MOMENT_DTYPES)} or None, got "
+                                 f"{checkpoint_moment_dtype!r}")
         if grad_clip is not None and not isinstance(grad_clip, GradientClipBase):
             raise TypeError(f"grad_clip: expected a paddle.nn.ClipGradBy* instance, got {type(grad_clip).__name__}")
 
@@ -193,6 +215,8 @@ class FusedAdamW(Optimizer):
         self._apply_decay_param_fun = apply_decay_param_fun
         self._lr_ratio = lr_ratio
         self._backend = backend
+        self._amsgrad = amsgrad
+        self._checkpoint_moment_dtype = checkpoint_moment_dtype
         self._states: Dict[str, _ParamState] = OrderedDict()
         self._step_count = 0
         # the stochastic-rounding stream follows paddle.seed without drawing from Paddle's generator
@@ -271,8 +295,12 @@ class FusedAdamW(Optimizer):
             exp_avg = paddle.zeros_like(param, dtype=self._moment_dtype)
             exp_avg_sq = paddle.zeros_like(param, dtype=self._moment_dtype)
             exp_avg.name, exp_avg_sq.name = f"{key}{suffix}_moment1_0", f"{key}{suffix}_moment2_0"
+            exp_avg_sq_max = None
+            if self._amsgrad:
+                exp_avg_sq_max = paddle.zeros_like(param, dtype=self._moment_dtype)
+                exp_avg_sq_max.name = f"{key}{suffix}_moment2_max_0"
             # beta^t of the coming step, as Paddle's AdamW initialises its beta-pow accumulators
-            state = _ParamState(key, exp_avg, exp_avg_sq, master, group["beta1"], group["beta2"])
+            state = _ParamState(key, exp_avg, exp_avg_sq, exp_avg_sq_max, master, group["beta1"], group["beta2"])
             self._states[param.name] = state
             if master is not None:
                 self._master_weights[param.name] = master
@@ -280,18 +308,24 @@ class FusedAdamW(Optimizer):
 
     def _state_keys(self, state: _ParamState) -> Dict[str, str]:
         suffix = f"_{self._name}" if self._name else ""
-        return {field: f"{state.key}{suffix}_{field}_0"
-                for field in ("moment1", "moment2", "beta1_pow_acc", "beta2_pow_acc")}
+        fields = ("moment1", "moment2") + (("moment2_max",) if self._amsgrad else ()) + (
+            "beta1_pow_acc", "beta2_pow_acc")
+        return {field: f"{state.key}{suffix}_{field}_0" for field in fields}
 
     def state_dict(self) -> dict:
-        """Moments, beta-pow accumulators (CPU float32 [1]), master weights, LR scheduler, step/seed.
-        Moment and master tensors are the live ones (as Paddle's); ``paddle.save`` copies them."""
+        """Moments (in ``checkpoint_moment_dtype``), beta-pow accumulators (CPU float32 [1]), master
+        weights, LR scheduler, step/seed. Master tensors, and moments kept in the checkpoint's dtype,
+        are the live ones (as Paddle's; ``paddle.save`` copies them); cast moments are copies."""
         out = {}
         cpu = paddle.CPUPlace()
+        dtype = self._checkpoint_moment_dtype or self._moment_dtype
         for state in self._states.values():
             keys = self._state_keys(state)
-            out[keys["moment1"]] = state.exp_avg
-            out[keys["moment2"]] = state.exp_avg_sq
+            moments = [("moment1", state.exp_avg), ("moment2", state.exp_avg_sq)]
+            if self._amsgrad:
+                moments.append(("moment2_max", state.exp_avg_sq_max))
+            for field, moment in moments:
+                out[keys[field]] = moment if dtype == self._moment_dtype else moment.astype(dtype)
             out[keys["beta1_pow_acc"]] = paddle.to_tensor([state.beta1_pow], dtype="float32", place=cpu)
             out[keys["beta2_pow_acc"]] = paddle.to_tensor([state.beta2_pow], dtype="float32", place=cpu)
         masters = {name: state.master for name, state in self._states.items() if state.master is not None}
@@ -331,6 +365,8 @@ class FusedAdamW(Optimizer):
                     raise ValueError(f"state_dict: entries {missing} missing for parameter {param.name}")
                 _assign_from(state.exp_avg, entries[keys["moment1"]], keys["moment1"])
                 _assign_from(state.exp_avg_sq, entries[keys["moment2"]], keys["moment2"])
+                if self._amsgrad:
+                    _assign_from(state.exp_avg_sq_max, entries[keys["moment2_max"]], keys["moment2_max"])
                 state.beta1_pow = _scalar_of(entries[keys["beta1_pow_acc"]])
                 state.beta2_pow = _scalar_of(entries[keys["beta2_pow_acc"]])
                 if state.master is not None and param.name in masters:
@@ -448,6 +484,8 @@ class FusedAdamW(Optimizer):
                                   implemented=IMPLEMENTED)
         if backend == "reference":
             self._step_reference(work, states, table)
+        elif self._amsgrad:
+            raise NotImplementedError(_AMSGRAD_ON_KERNEL)
         else:
             self._step_triton(work, states, hyper_table(table))
         # beta^t of the next step, float32 products as Paddle's accumulators
@@ -481,17 +519,19 @@ class FusedAdamW(Optimizer):
             exp_avgs = [states[i].exp_avg for i in members]
             exp_avg_sqs = [states[i].exp_avg_sq for i in members]
             masters = [states[i].master for i in members] if kind[2] else None
+            maxes = [states[i].exp_avg_sq_max for i in members] if self._amsgrad else None
             random_key = (self._seed, self._step_count, index)
             group = self._host_groups.get(kind)
-            if group is None or not group.describes(params, exp_avgs, exp_avg_sqs, masters):
+            if group is None or not group.describes(params, exp_avgs, exp_avg_sqs, masters, maxes):
                 # (tensors that moved to another place have other addresses: checked again here)
                 if not all(p.place.is_cpu_place() for p in params):
                     adamw_multi_tensor_ref(params, grads, exp_avgs, exp_avg_sqs, masters, hyper_table(table[members]),
-                                           self._stochastic_rounding, random_key)
+                                           self._stochastic_rounding, random_key, maxes)
                     continue
-                on_kernel = kind[0] == paddle.float32 and kind[1] == paddle.float32 and not kind[2]
+                # (Paddle's fused_adam_ kernel has no AMSGrad)
+                on_kernel = kind[0] == paddle.float32 and kind[1] == paddle.float32 and not kind[2] and maxes is None
                 group = self._host_groups[kind] = KernelGroup(params, exp_avgs, exp_avg_sqs) if on_kernel else \
-                    HostGroup(params, exp_avgs, exp_avg_sqs, masters)
+                    HostGroup(params, exp_avgs, exp_avg_sqs, masters, maxes)
             group.step(grads, table[members] if isinstance(group, KernelGroup) else hyper_table(table[members]),
                        self._stochastic_rounding, random_key)
 
