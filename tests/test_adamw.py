@@ -839,9 +839,8 @@ def _state_bytes(state_dict):
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
 def test_state_bytes_against_paddle_adamw(param_dtype):
     """Measured from the state dicts (moments as kept, checkpoint_moment_dtype=None): moments take
-    half of Paddle's bytes. fp32 params: all state
-    is moments, so the total is half too; bf16 params with multi_precision: both keep a 4-byte
-    master, so the total is 8 / 12 of Paddle's."""
+    half of Paddle's bytes. fp32 params: all state is moments, so the total is half too; bf16
+    params with multi_precision: both keep a 4-byte master, so the total is 8 / 12 of Paddle's."""
     layer = paddle.nn.Linear(256, 64)
     layer.to(dtype=param_dtype)
     params = layer.parameters()

@@ -10,12 +10,14 @@ stochastic rounding), with a global-norm clip small enough to bind:
 - plain: no wrapper (one process);
 - hybrid_mp2: ``HybridParallelOptimizer`` over mp_degree=2 with our Column/RowParallelLinear
   (fleet swaps the clip for ``HybridParallelClipGrad``; sharded and replicated parameters);
+- hybrid_mp2_groups: the same with parameter groups (fleet puts its clip into each group);
 - mix_precision_mp2: ``MixPrecisionLayer`` + ``MixPrecisionOptimizer`` (gradients in ``main_grad``)
   inside ``HybridParallelOptimizer`` (``--amp_master_grad`` under TP). In float32: Paddle's CPU
   ``adamw`` kernel has no bfloat16 (tests/test_fleet_optimizer.py steps bfloat16 parameters with
   ``main_grad`` against Paddle's AdamW on their float32 masters);
 - sharding_stage1: ``DygraphShardingOptimizer`` over sharding_degree=2 (``--sharding stage1``),
-  each rank with its own data.
+  each rank with its own data; sharding_stage1_main_grad: the same inside MixPrecisionOptimizer
+  with ``main_grad`` (``--sharding stage1 --amp_master_grad``).
 Sharding stage 2 (``GroupShardedOptimizerStage2``) is not here: its constructor asserts a CUDA or
 XPU build of Paddle (tests/test_fleet_optimizer.py steps the same protocol in one process).
 The 2-process modes run in one launch per fleet topology.
@@ -119,6 +121,18 @@ def _mode_hybrid_mp2(make_opt):
     return _updates(model, start)
 
 
+def _mode_hybrid_mp2_groups(make_opt):
+    from paddle.distributed import fleet
+
+    model = _mp_model()
+    start = _start(model)
+    groups = [{"params": model[0].parameters(), "weight_decay": 0.1},
+              {"params": model[2].parameters() + model[3].parameters(), "learning_rate": 0.5}]
+    opt = fleet.distributed_optimizer(make_opt(groups, paddle.nn.ClipGradByGlobalNorm(CLIP_NORM), False))
+    _train(model, opt, _batches(seed=3))
+    return _updates(model, start)
+
+
 def _mode_mix_precision_mp2(make_opt):
     from paddle.distributed import fleet
     from paddle.distributed.fleet.utils import mix_precision_utils
@@ -133,18 +147,31 @@ def _mode_mix_precision_mp2(make_opt):
     return _updates(model, start)
 
 
-def _mode_sharding_stage1(make_opt):
+def _sharding_stage1(make_opt, main_grad):
     from paddle.distributed import fleet
+    from paddle.distributed.fleet.utils import mix_precision_utils
 
     with paddle.utils.unique_name.guard():
         model = paddle.nn.Sequential(paddle.nn.Linear(D, F), paddle.nn.Tanh(), paddle.nn.Linear(F, F),
                                      paddle.nn.Tanh(), paddle.nn.Linear(F, D))
     _set_values(model, seed=5)
     start = _start(model)
-    opt = fleet.distributed_optimizer(make_opt(model.parameters(), paddle.nn.ClipGradByGlobalNorm(CLIP_NORM), False))
-    model = fleet.distributed_model(model)
-    _train(model, opt, _batches(seed=3 + paddle.distributed.get_rank()))
+    opt = make_opt(model.parameters(), paddle.nn.ClipGradByGlobalNorm(CLIP_NORM), main_grad)
+    if main_grad:  # as PaddleNLP's Trainer wraps for --sharding stage1 --amp_master_grad
+        mix_precision_utils.MixPrecisionLayer(model, dtype="bfloat16")
+        opt = mix_precision_utils.MixPrecisionOptimizer(opt)
+    opt = fleet.distributed_optimizer(opt)
+    trained = fleet.distributed_model(model)
+    _train(trained, opt, _batches(seed=3 + paddle.distributed.get_rank()))
     return _updates(model, start)
+
+
+def _mode_sharding_stage1(make_opt):
+    return _sharding_stage1(make_opt, main_grad=False)
+
+
+def _mode_sharding_stage1_main_grad(make_opt):
+    return _sharding_stage1(make_opt, main_grad=True)
 
 
 # the fleet topologies, one launch each: init_fleet's arguments
@@ -153,8 +180,10 @@ TOPOLOGIES = {"mp2": {"mp_degree": 2}, "sharding2": {"sharding_degree": 2}}
 MODES = {
     "plain": (None, _mode_plain),
     "hybrid_mp2": ("mp2", _mode_hybrid_mp2),
+    "hybrid_mp2_groups": ("mp2", _mode_hybrid_mp2_groups),
     "mix_precision_mp2": ("mp2", _mode_mix_precision_mp2),
     "sharding_stage1": ("sharding2", _mode_sharding_stage1),
+    "sharding_stage1_main_grad": ("sharding2", _mode_sharding_stage1_main_grad),
 }
 
 
