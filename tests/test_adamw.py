@@ -786,9 +786,10 @@ def test_bf16_moments_with_a_master_weight_load_into_paddle_adamw():
 
 def test_amsgrad_keeps_the_running_maximum():
     """AMSGrad on bfloat16 moments (round to nearest): after every step the stored maximum is the
-    maximum of the previous one and the stored second moment; the kernel path says it lacks it."""
+    maximum of the previous one and the stored second moment (also of a bfloat16 parameter's master
+    weight); the kernel path says it lacks it."""
     x, y = _data()
-    model = _mlp()
+    model = _mlp(with_bf16_gain=True)
     opt = FusedAdamW(1e-2, parameters=model.parameters(), beta2=0.6, amsgrad=True, stochastic_rounding=False,
                      backend="reference")
     previous = None
@@ -804,7 +805,7 @@ def test_amsgrad_keeps_the_running_maximum():
     with pytest.raises(NotImplementedError, match="backend='reference'"):
         FusedAdamW(parameters=model.parameters(), amsgrad=True, backend="triton")
     kernel_path = FusedAdamW(parameters=model.parameters(), amsgrad=True)  # auto: the interpreter's kernel
-    ((model(x) - y) ** 2).mean().backward()
+    ((_forward(model, x) - y) ** 2).mean().backward()
     with pytest.raises(NotImplementedError, match="backend='reference'"):
         kernel_path.step()
 

@@ -512,8 +512,9 @@ def adamw_multi_tensor_ref(params: Sequence[paddle.Tensor], grads: Sequence[padd
                            stochastic_rounding: bool = False, random_key: Sequence[int] = (0, 0),
                            exp_avg_sq_maxs: Optional[Sequence[paddle.Tensor]] = None) -> None:
     """One AdamW step of a group of parameters, in place: params, exp_avgs, exp_avg_sqs (and masters,
-    and AMSGrad's ``exp_avg_sq_maxs``: see ``HostGroup``) updated. The reference of ``adamw_multi_tensor``, with the same lists (one dtype per list, the
-    params, exp_avgs, exp_avg_sqs and masters contiguous).
+    and AMSGrad's ``exp_avg_sq_maxs``: see ``HostGroup``) updated. The reference of
+    ``adamw_multi_tensor``, with the same lists (one dtype per list, the params, exp_avgs,
+    exp_avg_sqs and masters contiguous).
 
     ``hyper``: float32 [n, 8], row i the scalars of tensor i (module docstring). ``masters``: fp32
     weights of 16-bit params, or None (the params themselves are updated through fp32).
