@@ -394,3 +394,30 @@ def test_tensor_parallel_families_match_single_process():
     from paddlenlp_fused.testing.distributed import run_distributed
 
     run_distributed(_tensor_parallel_body)
+
+
+@pytest.mark.parametrize("name", ["bloom", "qwen2"])
+def test_criterion_averages_as_the_familys(name, pairs, rng):
+    """Bloom averages over the labels other than ignore_index, the others over the tokens with a positive
+    loss: they differ on a valid token predicted with certainty (its float32 loss is exactly 0)."""
+    original, swapped, _ = pairs[name]
+    weight = original.lm_head.decoder_weight if name == "bloom" else original.lm_head.weight
+    hidden = rng.standard_normal((BATCH, SEQ, 32)).astype("float32")
+    labels = rng.integers(0, VOCAB, (BATCH, SEQ))
+    labels[1, 2:5] = -100
+    w = weight.numpy()
+    column = w[labels[0, 0]] if name == "bloom" else w[:, labels[0, 0]]  # the label's logit weights
+    hidden[0, 0] = 1e3 * column / np.dot(column, column)  # that logit 1000, the others about 0: softmax 1
+    hidden_t, labels_t = paddle.to_tensor(hidden), paddle.to_tensor(labels.astype("int64"))
+    logits = paddle.matmul(hidden_t, weight, transpose_y=name == "bloom")
+    ref = original.criterion(logits, labels_t)
+    swapped.lm_head.defer = True
+    try:
+        new = swapped.criterion(swapped.lm_head(hidden_t), labels_t)
+    finally:
+        swapped.lm_head.defer = False
+    assert abs(float(new) - float(ref)) <= LOSS_ATOL, (float(new), float(ref))
+    token_loss = paddle.nn.functional.cross_entropy(logits, labels_t.unsqueeze(-1), reduction="none").numpy()
+    assert token_loss[0, 0] == 0.0  # the case that tells the two rules apart is there
+    other = token_loss[labels != -100].sum() / (np.sum(labels != -100) - (name != "bloom"))
+    assert abs(float(ref) - other) <= LOSS_ATOL
