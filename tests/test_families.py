@@ -37,12 +37,16 @@ MODELS = {
     "qwen2_tied_fused_ffn": ("Qwen2Config", "Qwen2ForCausalLM",
                              dict(BASE, tie_word_embeddings=True, fuse_attention_ffn=True),
                              {"rms_norm": 5, "qwen2_mlp": 2, "lm_head": 1, "criterion": 1}),
+    "qwen2_geglu": ("Qwen2Config", "Qwen2ForCausalLM", dict(BASE, hidden_act="gelu_new", fuse_attention_ffn=True),
+                    {"rms_norm": 5, "qwen2_mlp": 2, "lm_head": 1, "criterion": 1}),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                        shared_expert_intermediate_size=32),
                   {"rms_norm": 5, "qwen2_moe_mlp": 2, "qwen2_moe_expert": 8, "lm_head": 1, "criterion": 1}),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(BASE, sliding_window=64),
                 {"rms_norm": 5, "mistral_mlp": 2, "lm_head": 1, "criterion": 1}),
+    "mistral_erf_gelu": ("MistralConfig", "MistralForCausalLM", dict(BASE, sliding_window=64, hidden_act="gelu"),
+                         {"rms_norm": 5, "lm_head": 1, "criterion": 1}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(BASE, num_local_experts=4, num_experts_per_tok=2),
                 {"rms_norm": 5, "mixtral_expert": 8, "lm_head": 1, "criterion": 1}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(BASE, head_dim=8),
@@ -73,20 +77,21 @@ MODELS = {
 LEFT = {
     "gemma": {"layers.0.mlp": "exact (erf) gelu", "layers.1.mlp": "exact (erf) gelu"},
     "chatglm_v2": {"output_layer": "no layer owns both"},
+    "mistral_erf_gelu": {"layers.0.mlp": "activation GELUActivation", "layers.1.mlp": "activation GELUActivation"},
     "jamba": {"layers.0.mamba": "dt_layernorm"},
 }
 # The families whose PaddleNLP model trains on the CPU here; the others' first labelled forward fails inside
 # PaddleNLP itself (measured, unswapped, Paddle 3.3.1 + PaddleNLP 3.0.0b4): the MoE routing's
 # int64 * int32 (qwen2_moe, deepseek) or a [tokens, hidden] * [tokens] broadcast (mixtral, jamba), and
 # DeepSeek's rotary concat of a 6-D position-indexed tensor.
-TRAINS = ("qwen2", "qwen2_tied_fused_ffn", "mistral", "gemma", "chatglm_v2", "bloom", "qwen")
+TRAINS = ("qwen2", "qwen2_tied_fused_ffn", "qwen2_geglu", "mistral", "gemma", "chatglm_v2", "bloom", "qwen")
 FAILS_IN_PADDLENLP = {
     "qwen2_moe": "Type promotion", "mixtral": "Broadcast dimension mismatch", "jamba": "Broadcast dimension mismatch",
     "deepseek_v2": "expected to be equal", "deepseek_v3": "expected to be equal",
 }
 # PaddleNLP's own greedy generate fails on the CPU here for these (its attention-mask reshape for a
 # one-token step): the swapped model must fail the same way.
-GENERATE_FAILS = ("qwen2", "qwen2_tied_fused_ffn", "gemma", "chatglm_v2")
+GENERATE_FAILS = ("qwen2", "qwen2_tied_fused_ffn", "qwen2_geglu", "gemma", "chatglm_v2")
 NEW_CLASSES = (FusedRMSNorm, FusedLayerNorm, FusedGatedMLP, FusedBloomMLP, FusedLMHead, FusedCausalLMCriterion)
 
 # float32 bounds of test_integration_paddlenlp: the fused layers reorder a few float32 sums, so the loss agrees
@@ -152,8 +157,7 @@ def test_report_per_kind(name, pairs):
     for suffix, words in expected.items():
         path = next(p for p in left if p.endswith(suffix))
         assert words in left[path], str(report)
-    family = name.split("_tied")[0]
-    assert family in report.families
+    assert MODELS[name][1].lower().startswith(tuple(f.replace("_", "") for f in report.families))
     categories = report.by_category()
     assert sum(sum(entry["swapped"].values()) for entry in categories.values()) == report.total
     assert sum(len(entry["left"]) for entry in categories.values()) == len(report.skipped)
@@ -168,6 +172,8 @@ def test_report_per_kind(name, pairs):
     assert list(swapped.state_dict().keys()) == list(original.state_dict().keys())
     assert len(swapped.parameters()) == len(original.parameters())
     assert swap_fused_layers(swapped).swapped == {}, "a second swap finds nothing left to replace"
+    if name == "qwen2_geglu":  # hidden_act gelu_new: PaddleNLP's tanh-approximate gelu
+        assert swapped.qwen2.layers[0].mlp.activation == "geglu" and swapped.qwen2.layers[0].mlp.fused
 
 
 def test_report_names_an_unknown_model():
@@ -339,10 +345,11 @@ def test_report_str_groups_by_category():
     assert FAMILIES["gemma"].rms_norms["GemmaRMSNorm"].weight_offset == 1.0
 
 
-# --- tensor parallel (2 processes, gloo): the families whose PaddleNLP model runs tensor parallel on the CPU.
+# --- tensor parallel (2 processes, gloo): the families whose PaddleNLP model runs tensor parallel on the CPU
+# (name, sequence_parallel).
 # Bloom's head (its parallel_matmul reads fleet's global group, so even the single-process reference model
 # calls c_identity) and ChatGLMv2's (left by the swap) have no CPU kernels under fleet: not here.
-TENSOR_PARALLEL = ("qwen2", "mistral", "gemma", "qwen")
+TENSOR_PARALLEL = (("qwen2", False), ("qwen2", True), ("mistral", False), ("gemma", False), ("qwen", False))
 FUSED_SHARDS = {"gate_up_fused_proj": 2, "c_attn": 3}  # per-rank [part shards...] layouts (PaddleNLP's)
 
 
@@ -358,14 +365,16 @@ def _shard(full, param, rank, name):
 
 
 def _tensor_parallel_body():
+    from paddlenlp_fused.layers.tensor_parallel import allreduce_sequence_parallel_grads
     from paddlenlp_fused.testing.distributed import init_fleet
 
     rank = init_fleet(mp_degree=2).get_model_parallel_rank()
-    for name in TENSOR_PARALLEL:
+    for name, sequence_parallel in TENSOR_PARALLEL:
         full = _build(name, 0)
         config_cls, model_cls, kwargs, swapped = MODELS[name]
         paddle.seed(1)
-        config = getattr(transformers, config_cls)(**kwargs, tensor_parallel_degree=2, tensor_parallel_rank=rank)
+        config = getattr(transformers, config_cls)(**dict(kwargs, seq_length=SEQ), tensor_parallel_degree=2,
+                                                   tensor_parallel_rank=rank, sequence_parallel=sequence_parallel)
         parallel = getattr(transformers, model_cls)(config)
         weights = full.state_dict()
         for key, param in parallel.named_parameters():
@@ -379,6 +388,7 @@ def _tensor_parallel_body():
         loss_full, loss_par = _loss(full, ids), _loss(parallel, ids)
         loss_full.backward()
         loss_par.backward()
+        allreduce_sequence_parallel_grads(parallel)  # what PaddleNLP's trainer hooks do for marked parameters
         assert abs(float(loss_par) - float(loss_full)) <= LOSS_ATOL, (name, float(loss_par), float(loss_full))
         grads = {key: p.grad.numpy() for key, p in full.named_parameters() if p.grad is not None}
         total = np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads.values()))
@@ -386,7 +396,7 @@ def _tensor_parallel_body():
             ref = _shard(grads[key], param, rank, key)
             assert param.grad.shape == list(ref.shape) and _rel(param.grad.numpy(), ref, GRAD_FLOOR * total) \
                 <= GRAD_RTOL, (name, key)
-        print(f"{name}: tensor parallel step 0 matches on rank {rank}")
+        print(f"{name} (sequence_parallel={sequence_parallel}): tensor parallel step 0 matches on rank {rank}")
 
 
 def test_tensor_parallel_families_match_single_process():
