@@ -431,3 +431,17 @@ def test_criterion_averages_as_the_familys(name, pairs, rng):
     assert token_loss[0, 0] == 0.0  # the case that tells the two rules apart is there
     other = token_loss[labels != -100].sum() / (np.sum(labels != -100) - (name != "bloom"))
     assert abs(float(ref) - other) <= LOSS_ATOL
+
+
+def test_a_subclass_of_a_family_class_is_swapped_as_its_base():
+    """A user's subclass of a PaddleNLP class (here Qwen2's RMSNorm) is found through its bases."""
+    from paddlenlp.transformers.qwen2 import modeling
+
+    class MyNorm(modeling.Qwen2RMSNorm):
+        pass
+
+    config = transformers.Qwen2Config(**BASE)
+    model = paddle.nn.Sequential(MyNorm(config), modeling.Qwen2MLP(config))
+    report = swap_fused_layers(model, backend="reference")
+    assert report.families == ["qwen2"] and report.swapped == {"rms_norm": 1, "qwen2_mlp": 1}, str(report)
+    assert isinstance(model[0], FusedRMSNorm) and model[0].variance_epsilon == BASE["rms_norm_eps"]

@@ -788,6 +788,11 @@ def _family_classes(names: List[str]) -> Dict[type, Tuple[str, str, object]]:
     return found
 
 
+def _entry(classes, layer, default=(None, None, None)):
+    """``classes``' entry for ``layer``: its class's, else its nearest listed base class's (a user subclass)."""
+    return next((classes[cls] for cls in type(layer).__mro__ if cls in classes), default)
+
+
 def _mlp_kind(family: str, path: str) -> str:
     return f"{family}_expert" if ".experts." in f".{path}." else f"{family}_mlp"
 
@@ -802,7 +807,7 @@ def _new_layer(path: str, layer, classes, options: dict, backend: str):
     if isinstance(layer, embedding):
         return "vocab_parallel_embedding", VocabParallelEmbedding(layer) if options["tensor_parallel"] \
             else "tensor_parallel=False"
-    handler, family, spec = classes.get(type(layer), (None, None, None))
+    handler, family, spec = _entry(classes, layer)
     if handler == "rms_norm":
         return "rms_norm", _rms_norm(layer, spec, backend) if options["norms"] else "norms=False"
     if handler == "layer_norm":
@@ -824,7 +829,7 @@ def _new_layer(path: str, layer, classes, options: dict, backend: str):
 def _swap_lm_heads(model, classes, lm_head: bool, backend: str, report: SwapReport, counts: Counter, replaced):
     for path, owner in [("", model)] + list(model.named_sublayers()):
         head, criterion = owner._sub_layers.get("lm_head"), owner._sub_layers.get("criterion")
-        head_entry, criterion_entry = classes.get(type(head)), classes.get(type(criterion))
+        head_entry, criterion_entry = _entry(classes, head, None), _entry(classes, criterion, None)
         if not (head_entry and head_entry[0] == "lm_head" and criterion_entry and criterion_entry[0] == "criterion"):
             continue
         prefix = path + "." if path else ""
@@ -878,7 +883,7 @@ def swap_fused_layers(model: nn.Layer, norms: bool = True, mlp: bool = True, mam
         report.notes.append(LOGITS_NOTE)
     for name in families:
         report.notes += [note for note in FAMILIES[name].notes if note not in report.notes]
-    if any(classes.get(type(layer), ("",))[0] == "attention" for layer in present):
+    if any(_entry(classes, layer)[0] == "attention" for layer in present):
         report.notes.append(ATTENTION_NOTE)
     if any(getattr(param, "sequence_parallel", False) for param in model.parameters()):
         report.notes.append(SEQUENCE_PARALLEL_NOTE)
