@@ -4,40 +4,52 @@
     from paddlenlp_fused.integrations.paddlenlp import swap_fused_layers
     model = LlamaForCausalLM(config); report = swap_fused_layers(model); print(report)
 
-What is swapped (PaddleNLP 3.0.0b4 class names):
+What is swapped is described per PaddleNLP family in ``FAMILIES`` (PaddleNLP 3.0.0b4 class names; a new
+family is one entry): llama, gpt, mamba, qwen, qwen2, qwen2_moe, mistral, mixtral, gemma, chatglm_v2, bloom,
+deepseek_v2, deepseek_v3 (deepseek_v2's layers), jamba. A model's families are found from the modules of its
+sublayers' classes; a model of none of them is reported as such (its class and modules named).
 
-- norms: ``LlamaRMSNorm`` and ``MambaRMSNorm`` -> ``FusedRMSNorm``; ``GPTLayerNorm`` -> ``FusedLayerNorm``
-  (under sequence parallel their weights keep PaddleNLP's ``sequence_parallel`` mark);
-- mlp: ``LlamaMLP`` (fused ``gate_up_fused_proj`` or separate ``gate_proj``/``up_proj``) ->
-  ``FusedLlamaMLP``, the same function through ``fused_mlp_func(activation="swiglu")``; GPT's inline MLP
-  (``linear1`` / gelu / ``linear2`` in ``GPTDecoderLayer.forward``) -> one
-  ``fused_mlp_func(activation="gelu_approx")`` call through ``FusedGPTMLP`` (how: its docstring);
+- norms: the family's RMSNorm (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``GemmaRMSNorm`` scaling by ``1 + weight``,
+  ChatGLMv2's ``RMSNorm``...) -> ``FusedRMSNorm`` (same epsilon, weight offset); ``GPTLayerNorm`` and Bloom's
+  ``paddle.nn.LayerNorm`` -> ``FusedLayerNorm`` (under sequence parallel their weights keep PaddleNLP's
+  ``sequence_parallel`` mark). In float32 each computes what the original does; in 16-bit ours rounds once
+  (normalised value times weight in float32), where some originals round the normalised value first;
+- mlp: the gated MLPs ``down(act(gate(x)) * up(x))`` (LLaMA, Qwen, Qwen2, Mistral, DeepSeek, Jamba, ChatGLMv2,
+  and the MoE families' experts and shared experts, reported as ``<family>_expert``; separate or one fused
+  gate-up linear, biases where they have them) -> ``FusedGatedMLP``, one ``fused_mlp_func`` call
+  (``swiglu`` for silu, ``geglu`` for tanh-approximate gelu; Gemma's exact-gelu gate is left, reported);
+  ``BloomMLP`` -> ``FusedBloomMLP`` (``gelu_approx``); GPT's inline MLP (``linear1`` / gelu / ``linear2`` in
+  ``GPTDecoderLayer.forward``) -> one ``fused_mlp_func(activation="gelu_approx")`` call through
+  ``FusedGPTMLP`` (how: its docstring). The MoE routing stays PaddleNLP's;
 - tensor parallel (``tensor_parallel_degree > 1``; ``integrations.paddlenlp_parallel``): fleet's
   ``ColumnParallelLinear`` / ``RowParallelLinear`` and PaddleNLP's ``ColumnSequenceParallelLinear`` /
   ``RowSequenceParallelLinear`` (attention q/k/v/o, MLP, GPT's qkv/out) -> our
   ``layers.tensor_parallel`` Column/RowParallelLinear owning the same shards (the MLPs then run as one
   ``fused_mlp_func`` call over the group), ``VocabParallelEmbedding`` -> our adapter of the same name;
-- mamba: PaddleNLP's ``MambaMixer`` -> ours (``layers.mamba.MambaMixer``);
-- lm_head: on ``LlamaForCausalLM`` / ``GPTForCausalLM`` (any layer owning a ``LlamaLMHead``/``GPTLMHead``
-  ``lm_head`` and a ``Llama``/``GPTPretrainingCriterion`` ``criterion``), ``lm_head`` -> ``FusedLMHead``
+- mamba: PaddleNLP's ``MambaMixer`` -> ours (``layers.mamba.MambaMixer``; Jamba's mixer, which normalises
+  dt, B and C, is left, reported);
+- lm_head: on any layer owning a family's ``lm_head`` and ``criterion`` (``HeadSpec`` / ``CriterionSpec``:
+  the weight's name and layout, how the criterion averages), ``lm_head`` -> ``FusedLMHead``
   and ``criterion`` -> ``FusedCausalLMCriterion``: a labelled forward computes its loss with
   ``ops.linear_cross_entropy`` and never materialises the ``[batch, seq, vocab]`` logits; with a
   vocabulary-parallel head the op runs over fleet's model-parallel group (``tp_group``), with
-  ``sequence_parallel`` on this rank's rows (``sequence_parallel=True``).
+  ``sequence_parallel`` on this rank's rows (``sequence_parallel=True``). ChatGLMv2's head (in the base
+  model, its criterion outside) is left, reported.
 
 How the LM head is swapped: the model's own ``forward`` is untouched. A forward pre-hook on the model
 (the layer owning ``lm_head``) looks for ``labels`` among the call's arguments; while a labelled call
 runs, ``FusedLMHead`` returns a ``DeferredLogits`` (the hidden states and the head weight, no matmul)
 and ``FusedCausalLMCriterion`` turns it into the loss, with the original criterion's ``ignore_index``
-and token mask (tokens with a loss > 0, as PaddleNLP counts them; GPT's ``loss_mask`` when given).
+and token mask (tokens with a loss > 0, as most PaddleNLP criteria count them, or Bloom's labels other than
+the ignore index; GPT's and Bloom's ``loss_mask`` when given).
 Neither model shifts labels (the data collator does), so neither do we. A post-hook (always run) ends the
 labelled call and puts ``None`` where the model returned the deferred logits, as PaddleNLP's own
 ``use_fused_linear_cross_entropy`` path does. Without labels a single-device head runs its original
 ``forward`` (same weight, same matmul): the logits are bit-identical; a vocabulary-parallel one computes
 them on our comm ops, sharded or gathered as ``tensor_parallel_output`` says. Tied embeddings need
 nothing special: the head weight is the shared ``Parameter`` (``transpose_y=True``, ``[vocab, hidden]``),
-its gradient accumulates from both uses. One difference: GPT's criterion returns NaN (0/0) when every
-token is ignored; ours 0.
+its gradient accumulates from both uses. One difference: GPT's, Mistral's, Mixtral's, Gemma's, QWen's and
+Bloom's criteria return NaN (the mean of nothing) when every token is ignored; ours 0.
 
 The new layers take over the very same ``Parameter`` objects under the same attribute names, so the
 state dict keeps its keys, an optimizer built before the swap keeps updating the live parameters, and
@@ -58,7 +70,7 @@ import dataclasses
 import inspect
 import types
 from collections import Counter
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import paddle
 from paddle import nn
@@ -83,82 +95,353 @@ SEQUENCE_PARALLEL_NOTE = (
     "sequence parallel: the gradients of parameters marked sequence_parallel (norm weights, row biases) are "
     "partial sums on each rank; all-reduce them after backward (PaddleNLP's trainer hooks, or "
     "paddlenlp_fused.layers.tensor_parallel.allreduce_sequence_parallel_grads(model))")
+ROUTER_NOTE = ("MoE routing (the gate, top-k dispatch and combine, aux losses) stays PaddleNLP's; each expert's MLP "
+               "is swapped")
+CHATGLM_HEAD_WHY = ("ChatGLMv2's head sits in the base model (output_layer) and returns [seq, batch, vocab] "
+                    "transposed, its criterion in ChatGLMv2ForCausalLM: no layer owns both, nothing to defer")
+JAMBA_MIXER_WHY = ("JambaMambaMixer RMS-normalises dt, B and C (dt_layernorm, b_layernorm, c_layernorm) inside the "
+                   "scan's inputs: our MambaMixer has no such norms")
+
+
+# --- what each PaddleNLP family holds that we swap: one entry per family, class names as in PaddleNLP 3.0.0b4
+
+
+@dataclasses.dataclass(frozen=True)
+class RMSNormSpec:
+    """An RMSNorm class: ``eps`` names the attribute holding its epsilon; it scales by
+    ``weight + weight_offset`` (Gemma: 1)."""
+
+    eps: str = "variance_epsilon"
+    weight_offset: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedMLPSpec:
+    """A gated MLP ``down(act(gate(x)) * up(x))``: the names of its linears, either ``gate`` and ``up`` or one
+    ``fused`` linear whose output halves are [gate | up]; ``fused_flag`` names the attribute choosing between
+    the two layouts (absent: ``fused`` if given, else separate). ``activation``: ``"silu"`` / ``"gelu_erf"`` when
+    the class hard-codes it, None when it applies ``act_fn`` (PaddleNLP's ``ACT2FN[config.hidden_act]``)."""
+
+    down: str
+    gate: str | None = None
+    up: str | None = None
+    fused: str | None = None
+    fused_flag: str | None = None
+    activation: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSpec:
+    """A causal-LM head: ``weight`` names its parameter; ``transpose`` says whether it is stored
+    ``[vocab, hidden]`` (from the head); ``gathers_sequence``: whether its forward gathers sequence-parallel rows."""
+
+    weight: str = "weight"
+    transpose: Callable[[nn.Layer], bool] = lambda head: bool(getattr(head, "transpose_y", False))
+    gathers_sequence: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class CriterionSpec:
+    """A causal-LM criterion: its mean runs over the tokens with a positive loss (``"positive_loss"``, LLaMA's
+    way) or with a label other than ``ignore_index`` (``"valid_labels"``); ``loss_mask``: whether it takes an
+    optional float ``loss_mask`` (its third argument)."""
+
+    count: str = "positive_loss"
+    loss_mask: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One PaddleNLP model family (``paddlenlp.transformers.<module>.modeling``) by class name: what we swap
+    (norms, MLPs, Mamba mixers, causal-LM heads and their criteria: a head is swapped where one layer owns both
+    an ``lm_head`` and a ``criterion`` of these classes) and what we leave, with the reason (``left``)."""
+
+    module: str
+    rms_norms: Dict[str, RMSNormSpec] = dataclasses.field(default_factory=dict)
+    layer_norms: Tuple[str, ...] = ()
+    gated_mlps: Dict[str, GatedMLPSpec] = dataclasses.field(default_factory=dict)
+    bloom_mlps: Tuple[str, ...] = ()
+    gpt_mlps: Tuple[str, ...] = ()
+    mamba_mixers: Tuple[str, ...] = ()
+    heads: Dict[str, HeadSpec] = dataclasses.field(default_factory=dict)
+    criteria: Dict[str, CriterionSpec] = dataclasses.field(default_factory=dict)
+    attention: Tuple[str, ...] = ()
+    left: Dict[str, Tuple[str, str]] = dataclasses.field(default_factory=dict)  # class: (kind, why)
+    notes: Tuple[str, ...] = ()
+
+
+_LLAMA_STYLE = GatedMLPSpec(down="down_proj", gate="gate_proj", up="up_proj", fused="gate_up_fused_proj",
+                            fused_flag="fuse_attention_ffn")
+_SEPARATE = GatedMLPSpec(down="down_proj", gate="gate_proj", up="up_proj")
+_UNTRANSPOSED = HeadSpec(transpose=lambda head: False)
+_PLAIN_LAYER_NORM = "paddle.nn.LayerNorm"  # a family listing it swaps paddle's own LayerNorm in its models
+
+FAMILIES: Dict[str, Family] = {
+    "llama": Family("llama", rms_norms={"LlamaRMSNorm": RMSNormSpec()},
+                    gated_mlps={"LlamaMLP": dataclasses.replace(_LLAMA_STYLE, activation="silu")},
+                    heads={"LlamaLMHead": HeadSpec()}, criteria={"LlamaPretrainingCriterion": CriterionSpec()},
+                    attention=("LlamaAttention",)),
+    "gpt": Family("gpt", layer_norms=("GPTLayerNorm",), gpt_mlps=("GPTDecoderLayer",),
+                  heads={"GPTLMHead": HeadSpec()},
+                  criteria={"GPTPretrainingCriterion": CriterionSpec(loss_mask=True)},
+                  attention=("MultiHeadAttention",)),
+    "mamba": Family("mamba", rms_norms={"MambaRMSNorm": RMSNormSpec()}, mamba_mixers=("MambaMixer",),
+                    notes=(MAMBA_HEAD_NOTE,)),
+    "qwen2": Family("qwen2", rms_norms={"Qwen2RMSNorm": RMSNormSpec()}, gated_mlps={"Qwen2MLP": _LLAMA_STYLE},
+                    heads={"Qwen2LMHead": HeadSpec()}, criteria={"Qwen2PretrainingCriterion": CriterionSpec()},
+                    attention=("Qwen2Attention",)),
+    "qwen2_moe": Family("qwen2_moe", rms_norms={"Qwen2MoeRMSNorm": RMSNormSpec()},
+                        gated_mlps={"Qwen2MoeMLP": _LLAMA_STYLE},
+                        heads={"Qwen2MoeLMHead": _UNTRANSPOSED},
+                        criteria={"Qwen2MoePretrainingCriterion": CriterionSpec()},
+                        attention=("Qwen2MoeAttention",), notes=(ROUTER_NOTE,)),
+    "mistral": Family("mistral", rms_norms={"MistralRMSNorm": RMSNormSpec()}, gated_mlps={"MistralMLP": _SEPARATE},
+                      heads={"MistralLMHead": dataclasses.replace(_UNTRANSPOSED, gathers_sequence=False)},
+                      criteria={"MistralPretrainingCriterion": CriterionSpec()}, attention=("MistralAttention",)),
+    "mixtral": Family("mixtral", rms_norms={"MixtralRMSNorm": RMSNormSpec()},
+                      gated_mlps={"MixtralMLP": GatedMLPSpec(down="w2", gate="w1", up="w3")},
+                      heads={"MixtralLMHead": _UNTRANSPOSED},
+                      criteria={"MixtralPretrainingCriterion": CriterionSpec()},
+                      attention=("MixtralAttention",), notes=(ROUTER_NOTE,)),
+    "gemma": Family("gemma", rms_norms={"GemmaRMSNorm": RMSNormSpec(weight_offset=1.0)},
+                    gated_mlps={"GemmaMLP": dataclasses.replace(_SEPARATE, activation="gelu_erf")},
+                    heads={"GemmaLMHead": HeadSpec(transpose=lambda head: bool(head.config.tie_word_embeddings))},
+                    criteria={"GemmaPretrainingCriterion": CriterionSpec()}, attention=("GemmaAttention",)),
+    "chatglm_v2": Family("chatglm_v2", rms_norms={"RMSNorm": RMSNormSpec(eps="epsilon")},
+                         gated_mlps={"MLP": GatedMLPSpec(down="dense_4h_to_h", fused="dense_h_to_4h",
+                                                         activation="silu")},
+                         attention=("SelfAttention",),
+                         left={"Chatglmv2LMHead": ("lm_head", CHATGLM_HEAD_WHY)}),
+    "bloom": Family("bloom", layer_norms=(_PLAIN_LAYER_NORM,), bloom_mlps=("BloomMLP",),
+                    heads={"BloomLMHead": HeadSpec(weight="decoder_weight", transpose=lambda head: True,
+                                                   gathers_sequence=False)},
+                    criteria={"BloomPretrainingCriterion": CriterionSpec(count="valid_labels", loss_mask=True)},
+                    attention=("BloomAttention",)),
+    "deepseek_v2": Family("deepseek_v2", rms_norms={"DeepseekV2RMSNorm": RMSNormSpec()},
+                          gated_mlps={"DeepseekV2MLP": _SEPARATE},
+                          heads={"DeepseekV2LMHead": _UNTRANSPOSED},
+                          criteria={"DeepseekV2PretrainingCriterion": CriterionSpec()},
+                          attention=("DeepseekV2Attention",), notes=(ROUTER_NOTE,)),
+    "deepseek_v3": Family("deepseek_v3"),  # its layers are deepseek_v2's classes
+    "jamba": Family("jamba", rms_norms={"JambaRMSNorm": RMSNormSpec()}, gated_mlps={"JambaMLP": _SEPARATE},
+                    heads={"JambaLMHead": dataclasses.replace(_UNTRANSPOSED, gathers_sequence=False)},
+                    criteria={"JambaPretrainingCriterion": CriterionSpec()},
+                    attention=("JambaAttention",), notes=(ROUTER_NOTE,),
+                    left={"JambaMambaMixer": ("mamba_mixer", JAMBA_MIXER_WHY)}),
+    "qwen": Family("qwen", rms_norms={"QWenRMSNorm": RMSNormSpec(eps="eps")},
+                   gated_mlps={"QWenMLP": GatedMLPSpec(down="c_proj", gate="w2", up="w1", fused="gate_up_fused_proj",
+                                                       fused_flag="fuse_attention_ffn", activation="silu")},
+                   heads={"QWenLMHead": _UNTRANSPOSED}, criteria={"QWenPretrainingCriterion": CriterionSpec()},
+                   attention=("QWenAttention",)),
+}
+
+
+# report categories, in print order, of the swap's kinds
+CATEGORIES = {"norm": ("rms_norm", "layer_norm"), "mlp": ("mlp",), "moe experts": ("expert",),
+              "lm_head": ("lm_head", "criterion"), "mamba": ("mamba_mixer",),
+              "parallel linears": ("parallel_linear", "vocab_parallel_embedding")}
+
+
+def category(kind: str) -> str:
+    """The report category of a swap kind (``rms_norm`` -> ``norm``, ``qwen2_mlp`` -> ``mlp``...)."""
+    for name, kinds in CATEGORIES.items():
+        if kind in kinds or any(kind.endswith("_" + k) for k in kinds):
+            return name
+    raise KeyError(kind)
 
 
 @dataclasses.dataclass
 class SwapReport:
     """``swapped``: {kind: count}; ``swapped_paths``: (sublayer path, old class -> new class);
-    ``skipped``: (sublayer path, why it was left alone); ``notes``: what the swap does not cover in this
-    model."""
+    ``skipped``: (sublayer path, why it was left alone); ``kinds``: {path: kind} of both; ``families``: the
+    PaddleNLP families found in the model; ``notes``: what the swap does not cover in this model (an
+    unsupported model names itself and what is missing). ``str(report)`` lists them per category
+    (``CATEGORIES``: norm, mlp, moe experts, lm_head, mamba, parallel linears)."""
 
     swapped: Dict[str, int] = dataclasses.field(default_factory=dict)
     swapped_paths: List[Tuple[str, str]] = dataclasses.field(default_factory=list)
     skipped: List[Tuple[str, str]] = dataclasses.field(default_factory=list)
+    kinds: Dict[str, str] = dataclasses.field(default_factory=dict)
+    families: List[str] = dataclasses.field(default_factory=list)
     notes: List[str] = dataclasses.field(default_factory=list)
 
     @property
     def total(self) -> int:
         return sum(self.swapped.values())
 
+    def by_category(self) -> Dict[str, dict]:
+        """{category: {"swapped": {kind: count}, "left": [(path, why)]}} for the categories with entries."""
+        out: Dict[str, dict] = {}
+        for kind, n in sorted(self.swapped.items()):
+            out.setdefault(category(kind), {"swapped": {}, "left": []})["swapped"][kind] = n
+        for path, why in self.skipped:
+            out.setdefault(category(self.kinds[path]), {"swapped": {}, "left": []})["left"].append((path, why))
+        return {name: out[name] for name in CATEGORIES if name in out}
+
     def __str__(self) -> str:
         counts = ", ".join(f"{kind} {n}" for kind, n in sorted(self.swapped.items())) or "nothing"
-        lines = [f"swap_fused_layers: swapped {counts}"]
-        lines += [f"  left alone {path}: {why}" for path, why in self.skipped]
+        lines = [f"swap_fused_layers ({', '.join(self.families) or 'no known family'}): swapped {counts}"]
+        for name, entry in self.by_category().items():
+            swapped = ", ".join(f"{kind} {n}" for kind, n in entry["swapped"].items()) or "nothing"
+            lines.append(f"  {name}: swapped {swapped}")
+            lines += [f"    left alone {path}: {why}" for path, why in entry["left"]]
         lines += [f"  not covered: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
-class FusedLlamaMLP(nn.Layer):
-    """PaddleNLP's ``LlamaMLP`` (``down(silu(gate(x)) * up(x))``) as one ``fused_mlp_func`` call.
+class FusedGatedMLP(nn.Layer):
+    """A PaddleNLP gated MLP ``down(act(gate(x)) * up(x))`` (LLaMA, Qwen, Qwen2, Mistral, Mixtral's and the MoE
+    families' experts, DeepSeek, Jamba, ChatGLMv2: ``GatedMLPSpec`` names its linears) as one ``fused_mlp_func``
+    call, ``activation`` ``"swiglu"`` (silu) or ``"geglu"`` (tanh-approximate gelu).
 
-    Holds the original ``Linear`` sublayers under their names (``gate_up_fused_proj`` or
-    ``gate_proj`` + ``up_proj``, and ``down_proj``), so the state dict is unchanged. With separate
-    gate/up weights the fused ``[hidden, 2 * intermediate]`` weight is concatenated each call
-    (gate then up, which is the order ``swiglu`` splits it in); the gradient flows back through the
-    concat to both parameters.
+    Holds the original ``Linear`` sublayers under their names, so the state dict is unchanged. With separate
+    gate/up weights the fused ``[hidden, 2 * intermediate]`` weight (and bias) is concatenated each call (gate
+    then up, the order the gated activation splits it in); the gradient flows back through the concat to both
+    parameters. A fused linear's output halves are [gate | up] already (LLaMA's ``gate_up_fused_proj``,
+    ChatGLMv2's ``dense_h_to_4h``).
 
     Tensor parallel: the sublayers are then our ``ColumnParallelLinear`` (gate, up: this rank's
-    ``[hidden, intermediate / n]`` columns; ``gate_up_fused_proj``: PaddleNLP's per-rank
-    ``[gate shard | up shard]``) and ``RowParallelLinear`` (down: ``[intermediate / n, hidden]``), as
-    ``swap_fused_layers`` makes them from fleet's, and the call passes their group (``process_group``)
-    and ``sequence_parallel`` to ``fused_mlp_func``: the input all-gather (sequence parallel) or
-    identity/all-reduce pair and the output reduce-scatter or all-reduce happen inside it.
+    ``[hidden, intermediate / n]`` columns; a fused one: PaddleNLP's per-rank ``[gate shard | up shard]``) and
+    ``RowParallelLinear`` (down: ``[intermediate / n, hidden]``), as ``swap_fused_layers`` makes them from
+    fleet's, and the call passes their group (``process_group``) and ``sequence_parallel`` to
+    ``fused_mlp_func``: the input all-gather (sequence parallel) or identity/all-reduce pair and the output
+    reduce-scatter or all-reduce happen inside it.
     """
 
-    def __init__(self, mlp: nn.Layer, backend: str = "auto"):
+    def __init__(self, mlp: nn.Layer, spec: GatedMLPSpec, activation: str, backend: str = "auto"):
         super().__init__()
-        self.fuse_attention_ffn = bool(getattr(mlp, "fuse_attention_ffn", False))
-        if self.fuse_attention_ffn:
-            self.gate_up_fused_proj = mlp.gate_up_fused_proj
-        else:
-            self.gate_proj, self.up_proj = mlp.gate_proj, mlp.up_proj
-        self.down_proj = mlp.down_proj
-        self.hidden_size, self.intermediate_size = mlp.hidden_size, mlp.intermediate_size
-        self.process_group = getattr(self.down_proj, "pg", None)
-        self.sequence_parallel = bool(getattr(self.down_proj, "sequence_parallel", False))
+        self.fused = _uses_fused(mlp, spec)
+        self.input_names = (spec.fused,) if self.fused else (spec.gate, spec.up)
+        self.down_name = spec.down
+        wanted = self.input_names + (spec.down,)
+        for name in [name for name in mlp._sub_layers if name in wanted]:  # the original's order: same state dict
+            setattr(self, name, getattr(mlp, name))
+        down = getattr(mlp, spec.down)
+        self.intermediate_size, self.hidden_size = (int(n) for n in down.weight.shape)  # this rank's intermediate
+        self.activation = activation
+        self.process_group = getattr(down, "pg", None)
+        self.sequence_parallel = bool(getattr(down, "sequence_parallel", False))
         self.backend = backend
 
     def _gate_up(self):
-        if self.fuse_attention_ffn:
-            return self.gate_up_fused_proj.weight, self.gate_up_fused_proj.bias
-        gate, up = self.gate_proj, self.up_proj
+        layers = [getattr(self, name) for name in self.input_names]
+        if len(layers) == 1:
+            return layers[0].weight, layers[0].bias
+        gate, up = layers
         if (gate.bias is None) != (up.bias is None):
-            raise ValueError("gate_proj/up_proj: expected both or neither to have a bias")
+            raise ValueError(f"{self.input_names[0]}/{self.input_names[1]}: expected both or neither to have a bias")
         bias = None if gate.bias is None else paddle.concat([gate.bias, up.bias], axis=0)
         return paddle.concat([gate.weight, up.weight], axis=1), bias
 
     def forward(self, x):
         """x [..., hidden] (sequence parallel: this rank's rows [tokens / n, hidden]) -> the same shape."""
         weight1, bias1 = self._gate_up()
-        return fused_mlp_func(x, weight1, self.down_proj.weight, bias1, self.down_proj.bias,
-                              activation="swiglu", process_group=self.process_group,
-                              sequence_parallel=self.sequence_parallel, backend=self.backend)
+        down = getattr(self, self.down_name)
+        return fused_mlp_func(x, weight1, down.weight, bias1, down.bias, activation=self.activation,
+                              process_group=self.process_group, sequence_parallel=self.sequence_parallel,
+                              backend=self.backend)
 
     def extra_repr(self) -> str:
         ranks = self.process_group.world_size if self.process_group is not None else 1
-        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
-                f"fuse_attention_ffn={self.fuse_attention_ffn}, tensor_parallel={ranks}, "
-                f"sequence_parallel={self.sequence_parallel}, backend={self.backend}")
+        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size} (this rank's), "
+                f"linears={list(self.input_names) + [self.down_name]}, activation={self.activation}, "
+                f"tensor_parallel={ranks}, sequence_parallel={self.sequence_parallel}, backend={self.backend}")
+
+
+FusedLlamaMLP = FusedGatedMLP  # its name before the other families came
+
+
+def _uses_fused(mlp, spec: GatedMLPSpec) -> bool:
+    if spec.fused_flag is not None:
+        return bool(getattr(mlp, spec.fused_flag, False))
+    return spec.fused is not None
+
+
+def _gated_activation(mlp, spec: GatedMLPSpec):
+    """("swiglu" | "geglu", None) for the activation ``mlp`` gates with, or (None, the reason it is not fused)."""
+    from paddlenlp.transformers import activations
+
+    act = spec.activation
+    if act is None:
+        fn = getattr(mlp, "act_fn", None)
+        if isinstance(fn, activations.SiLUActivation) or fn in (paddle.nn.functional.silu, paddle.nn.functional.swish) \
+                or getattr(fn, "__name__", "") == "swiglu":  # Qwen2's fusion_ops.swiglu for hidden_act "silu"
+            act = "silu"
+        elif isinstance(fn, activations.NewGELUActivation):
+            act = "gelu_tanh"
+        else:
+            act = f"{type(fn).__name__ if isinstance(fn, nn.Layer) else getattr(fn, '__name__', fn)}"
+    if act == "silu":
+        return "swiglu", None
+    if act == "gelu_tanh":
+        return "geglu", None
+    if act == "gelu_erf":
+        return None, ("gates with exact (erf) gelu: fused_mlp_func's geglu is the tanh approximation (an erf "
+                      "geglu activation would be needed)")
+    return None, f"activation {act}: only silu (swiglu) and tanh-approximate gelu (geglu) gates are fused"
+
+
+def _gated_mlp(mlp, spec: GatedMLPSpec, backend: str):
+    activation, why = _gated_activation(mlp, spec)
+    if why:
+        return why
+    fused = _uses_fused(mlp, spec)
+    names = (spec.fused,) if fused else (spec.gate, spec.up)
+    down = getattr(mlp, spec.down)
+    inter = int(down.weight.shape[0])
+    blocker = _mlp_blocker([getattr(mlp, name) for name in names], down, [2 * inter] if fused else [inter, inter])
+    return blocker or FusedGatedMLP(mlp, spec, activation, backend)
+
+
+class FusedBloomMLP(nn.Layer):
+    """PaddleNLP's ``BloomMLP``: ``residual + dropout(dense_4h_to_h(bloom_gelu(dense_h_to_4h(x))))``, the MLP
+    as one ``fused_mlp_func(activation="gelu_approx")`` call (Bloom's gelu is the tanh approximation), the
+    dropout-add as Bloom's ``dropout_add``. Holds the two linears under their names."""
+
+    def __init__(self, mlp: nn.Layer, backend: str = "auto"):
+        super().__init__()
+        self.dense_h_to_4h, self.dense_4h_to_h = mlp.dense_h_to_4h, mlp.dense_4h_to_h
+        self.hidden_dropout = mlp.hidden_dropout
+        self.process_group = getattr(self.dense_4h_to_h, "pg", None)
+        self.sequence_parallel = bool(getattr(self.dense_4h_to_h, "sequence_parallel", False))
+        self.backend = backend
+
+    def forward(self, hidden_states, residual):
+        out = fused_mlp_func(hidden_states, self.dense_h_to_4h.weight, self.dense_4h_to_h.weight,
+                             self.dense_h_to_4h.bias, self.dense_4h_to_h.bias, activation="gelu_approx",
+                             process_group=self.process_group, sequence_parallel=self.sequence_parallel,
+                             backend=self.backend)
+        return residual + paddle.nn.functional.dropout(out, p=self.hidden_dropout, training=self.training)
+
+
+def _bloom_mlp(mlp, backend: str):
+    if mlp.pretraining_tp > 1 and mlp.slow_but_exact:
+        return "pretraining_tp > 1 with slow_but_exact: the sliced down projection is kept"
+    inter = int(mlp.dense_4h_to_h.weight.shape[0])
+    return _mlp_blocker([mlp.dense_h_to_4h], mlp.dense_4h_to_h, [inter]) or FusedBloomMLP(mlp, backend)
+
+
+def _mlp_blocker(columns, row, local_widths) -> str | None:
+    """Whether an MLP's input linears ``columns`` (this rank's output widths ``local_widths``) and output linear
+    ``row`` are ones ``fused_mlp_func`` can take the weights of: all plain ``[in, out]`` ``paddle.nn.Linear``, or
+    all ours (column ``gather_output=False`` / row ``input_is_parallel``) on one group with one
+    ``sequence_parallel`` setting (what the tensor-parallel swap makes of fleet's)."""
+    fleet_column, fleet_row, _, _ = fleet_classes()
+    layers = list(columns) + [row]
+    if any(isinstance(layer, fleet_column + fleet_row) for layer in layers):
+        return "fleet's parallel linears are kept (see their own entries)"
+    if not all(isinstance(layer, nn.Linear) for layer in layers):
+        if not (all(isinstance(layer, ColumnParallelLinear) and not layer.gather_output for layer in columns)
+                and isinstance(row, RowParallelLinear) and row.input_is_parallel):
+            return ", ".join(type(layer).__name__ for layer in layers) + ": not plain Linear nor our parallel linears"
+        if len({_group_key(layer) for layer in layers}) != 1 or \
+                len({bool(layer.sequence_parallel) for layer in layers}) != 1:
+            return "the parallel linears differ in group or sequence_parallel"
+    inter, hidden = (int(n) for n in row.weight.shape)
+    for layer, width in zip(columns, local_widths):
+        if list(layer.weight.shape) != [hidden, width]:
+            return f"{type(layer).__name__} weight {list(layer.weight.shape)} is not [{hidden}, {width}]"
+    return None
 
 
 class DeferredLogits:
@@ -174,65 +457,83 @@ class DeferredLogits:
         self.hidden_states, self.weight, self.transpose_y = hidden_states, weight, transpose_y
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
 
+    def astype(self, dtype):
+        """Mistral's forward casts the logits to float32 before its criterion: ours computes the loss in
+        float32 anyway, so that cast is the identity here."""
+        if str(dtype).split(".")[-1] != "float32":
+            raise NotImplementedError(f"deferred logits: only a float32 cast is supported, got {dtype}")
+        return self
+
 
 class FusedLMHead(nn.Layer):
-    """PaddleNLP's ``LlamaLMHead``/``GPTLMHead`` owning the same ``weight``. ``defer`` (set by the
-    model's pre-hook for a labelled call) makes it return ``DeferredLogits``. Otherwise, on one
-    device, it runs the original class's ``forward`` on itself (it holds the attributes that forward
-    reads), so the logits are exactly the original's; with a vocabulary-parallel weight
+    """A PaddleNLP causal-LM head (``HeadSpec``: LLaMA's, GPT's, Qwen2's, Mistral's...) owning the same weight
+    under the same name. ``defer`` (set by the model's pre-hook for a labelled call) makes it return
+    ``DeferredLogits``. Otherwise, on one device, it calls the original head (kept out of the sublayers and
+    the state dict), so the logits are exactly the original's; with a vocabulary-parallel weight
     (``tensor_parallel_degree > 1``) or ``sequence_parallel`` it computes them with our comm ops
     (``paddlenlp_parallel.parallel_logits``: fleet's ``parallel_matmul`` has no CPU kernels), sharded
     over the vocabulary or gathered as ``tensor_parallel_output`` (the call's, else the config's) says."""
 
-    def __init__(self, head: nn.Layer):
+    def __init__(self, head: nn.Layer, spec: HeadSpec | None = None):
         super().__init__()
-        self.config, self.transpose_y = head.config, bool(head.transpose_y)
-        self.weight = head.weight
-        if hasattr(head, "xpu_parallel_matmul"):
-            self.xpu_parallel_matmul = head.xpu_parallel_matmul
-        self._logits_forward = type(head).forward
-        self.tp_group = comm.model_parallel_group() if getattr(self.weight, "is_distributed", False) else None
-        self.sequence_parallel = bool(getattr(self.config, "sequence_parallel", False))
+        spec = spec or _spec_of(head, "heads", HeadSpec())
+        self.config, self.transpose_y = head.config, spec.transpose(head)
+        self.weight_name = spec.weight
+        setattr(self, spec.weight, getattr(head, spec.weight))
+        object.__setattr__(self, "_original_head", head)  # not a sublayer: its weight is ours already
+        weight = self.head_weight
+        self.tp_group = comm.model_parallel_group() if getattr(weight, "is_distributed", False) else None
+        self.sequence_parallel = bool(getattr(self.config, "sequence_parallel", False)) and spec.gathers_sequence
         self.defer = False
+
+    @property
+    def head_weight(self):
+        return getattr(self, self.weight_name)
 
     def forward(self, hidden_states, tensor_parallel_output=None):
         """hidden_states [batch, seq, hidden] (sequence parallel: [batch * seq / n, hidden]) -> logits
         [batch, seq, vocab or vocab / n] (DeferredLogits if ``defer``)."""
         if self.defer:
-            return DeferredLogits(hidden_states, self.weight, self.transpose_y, self.tp_group, self.sequence_parallel)
+            return DeferredLogits(hidden_states, self.head_weight, self.transpose_y, self.tp_group,
+                                  self.sequence_parallel)
         if self.tp_group is None and not self.sequence_parallel:
-            return self._logits_forward(self, hidden_states, tensor_parallel_output)
+            return self._original_head(hidden_states, tensor_parallel_output)
         if tensor_parallel_output is None:
             tensor_parallel_output = bool(self.config.tensor_parallel_output) and self.tp_group is not None
-        return parallel_logits(hidden_states, self.weight, self.transpose_y, self.tp_group, self.sequence_parallel,
-                               self.config.seq_length, tensor_parallel_output)
+        return parallel_logits(hidden_states, self.head_weight, self.transpose_y, self.tp_group,
+                               self.sequence_parallel, self.config.seq_length, tensor_parallel_output)
 
     def extra_repr(self) -> str:
         ranks = self.tp_group.world_size if self.tp_group is not None else 1
-        return (f"weight={list(self.weight.shape)}, transpose_y={self.transpose_y}, tensor_parallel={ranks}, "
-                f"sequence_parallel={self.sequence_parallel}")
+        return (f"{self.weight_name}={list(self.head_weight.shape)}, transpose_y={self.transpose_y}, "
+                f"tensor_parallel={ranks}, sequence_parallel={self.sequence_parallel}")
 
 
 class FusedCausalLMCriterion(nn.Layer):
-    """PaddleNLP's ``Llama``/``GPTPretrainingCriterion``: on ``DeferredLogits`` the same mean loss through
-    ``linear_cross_entropy`` (float32, no logits held; vocabulary parallel over the head's group, the
-    labels cut to this rank's sequence chunk under sequence parallel); on real logits the original
-    criterion (kept as the ``original`` sublayer: it has no parameters, so the state dict is
-    unchanged). Under tensor parallelism every rank returns the same (global) loss, as PaddleNLP's."""
+    """A PaddleNLP causal-LM criterion (``CriterionSpec``): on ``DeferredLogits`` the same mean loss through
+    ``linear_cross_entropy`` (float32, no logits held; vocabulary parallel over the head's group, the labels cut
+    to this rank's sequence chunk under sequence parallel); on real logits the original criterion (kept as the
+    ``original`` sublayer: it has no parameters, so the state dict is unchanged). Under tensor parallelism
+    every rank returns the same (global) loss, as PaddleNLP's."""
 
-    def __init__(self, criterion: nn.Layer, backend: str = "auto"):
+    def __init__(self, criterion: nn.Layer, spec: CriterionSpec | None = None, backend: str = "auto"):
         super().__init__()
+        spec = spec or _spec_of(criterion, "criteria", CriterionSpec())
         self.original = criterion
         loss_func = getattr(criterion, "loss_func", None)
         self.ignore_index = int(getattr(criterion, "ignore_index", getattr(loss_func, "ignore_index", -100)))
+        self.count, self.takes_loss_mask = spec.count, spec.loss_mask
         self.backend = backend
 
     def forward(self, prediction_scores, masked_lm_labels, *args, **kwargs):
         """prediction_scores: logits [batch, seq, vocab] or DeferredLogits; masked_lm_labels [batch, seq]
-        int; GPT's optional ``loss_mask`` [batch * seq] float. Returns the scalar float32 loss."""
+        int; GPT's and Bloom's optional ``loss_mask`` [batch * seq] float; DeepSeek's (empty) ``mtp_logits``.
+        Returns the scalar float32 loss."""
         if not isinstance(prediction_scores, DeferredLogits):
             return self.original(prediction_scores, masked_lm_labels, *args, **kwargs)
-        loss_mask = args[0] if args else kwargs.get("loss_mask")
+        if kwargs.get("mtp_logits"):
+            raise NotImplementedError("multi-token-prediction logits: the swap leaves such a head alone")
+        loss_mask = (args[0] if args else kwargs.get("loss_mask")) if self.takes_loss_mask else None
         deferred = prediction_scores
         hidden, weight, labels = deferred.hidden_states, deferred.weight, masked_lm_labels
         if weight.dtype != hidden.dtype:  # as AMP casts the original head matmul's inputs to one dtype
@@ -248,15 +549,17 @@ class FusedCausalLMCriterion(nn.Layer):
             if loss_mask is not None:
                 mask = loss_mask.astype("float32").reshape([-1])
                 return paddle.sum(token_loss * mask) / mask.sum()
-            # PaddleNLP counts the tokens with a positive loss (ignored ones have 0); count 0 gives 0.
-            mask = (token_loss > 0).astype("float32")
-            return paddle.sum(token_loss * mask) / paddle.clip(mask.sum(), min=1.0)
+            if self.count == "valid_labels":
+                mask = (labels.reshape([-1]) != self.ignore_index).astype("float32")
+            else:  # PaddleNLP counts the tokens with a positive loss (ignored ones have 0)
+                mask = (token_loss > 0).astype("float32")
+            return paddle.sum(token_loss * mask) / paddle.clip(mask.sum(), min=1.0)  # count 0 gives 0
 
     def extra_repr(self) -> str:
-        return f"ignore_index={self.ignore_index}, backend={self.backend}"
+        return f"ignore_index={self.ignore_index}, count={self.count}, backend={self.backend}"
 
 
-def _lm_head_blocker(owner) -> str | None:
+def _lm_head_blocker(owner, head_spec: HeadSpec) -> str | None:
     config = owner.lm_head.config
     for degree in ("sep_parallel_degree", "context_parallel_degree"):
         if int(getattr(config, degree, 1) or 1) > 1:
@@ -264,7 +567,9 @@ def _lm_head_blocker(owner) -> str | None:
     if getattr(config, "use_fused_linear_cross_entropy", False):
         return ("use_fused_linear_cross_entropy=True: PaddleNLP bypasses lm_head for its own fused loss "
                 "(paddlenlp_fused.integrations.enable() points that loss at our op)")
-    weight = owner.lm_head.weight
+    if int(getattr(config, "num_nextn_predict_layers", 0) or 0) > 0:
+        return "num_nextn_predict_layers > 0: the multi-token-prediction losses are kept (not wired in)"
+    weight = getattr(owner.lm_head, head_spec.weight)
     if getattr(weight, "is_distributed", False) and comm.model_parallel_group() is None:
         return "the head's weight is marked distributed but fleet's model-parallel group has one rank (or none)"
     return None
@@ -277,15 +582,16 @@ def _labels_of(signature: inspect.Signature, owner, args, kwargs):
         return None
 
 
-def _swap_lm_head(owner: nn.Layer, backend: str):
+def _swap_lm_head(owner: nn.Layer, head_spec: HeadSpec, criterion_spec: CriterionSpec, backend: str):
     """(new head, new criterion) for ``owner`` (a causal-LM model), hooks installed, or the reason not."""
-    blocker = _lm_head_blocker(owner)
+    blocker = _lm_head_blocker(owner, head_spec)
     if blocker:
         return blocker
     signature = inspect.signature(type(owner).forward)
     if "labels" not in signature.parameters:
         return f"{type(owner).__name__}.forward takes no labels"
-    head, criterion = FusedLMHead(owner.lm_head), FusedCausalLMCriterion(owner.criterion, backend)
+    head = FusedLMHead(owner.lm_head, head_spec)
+    criterion = FusedCausalLMCriterion(owner.criterion, criterion_spec, backend)
 
     def begin(layer, args, kwargs):
         head.defer = _labels_of(signature, layer, args, kwargs) is not None
@@ -306,40 +612,6 @@ def _swap_lm_head(owner: nn.Layer, backend: str):
 def _group_key(layer):
     pg = getattr(layer, "pg", None)
     return None if pg is None else (tuple(pg.group.ranks), pg.world_size)
-
-
-def _mlp_blocker(columns, row, hidden: int, widths, inter: int) -> str | None:
-    """Whether an MLP's input linears ``columns`` (full widths ``widths``) and output linear ``row``
-    (``[inter, hidden]``) are ones ``fused_mlp_func`` can take the weights of: all plain ``[in, out]``
-    ``paddle.nn.Linear``, or all ours (column ``gather_output=False`` / row ``input_is_parallel``) on one
-    group with one ``sequence_parallel`` setting (what the tensor-parallel swap makes of fleet's)."""
-    fleet_column, fleet_row, _, _ = fleet_classes()
-    layers = list(columns) + [row]
-    if any(isinstance(layer, fleet_column + fleet_row) for layer in layers):
-        return "fleet's parallel linears are kept (see their own entries)"
-    if all(isinstance(layer, nn.Linear) for layer in layers):
-        world = 1
-    elif all(isinstance(layer, ColumnParallelLinear) and not layer.gather_output for layer in columns) \
-            and isinstance(row, RowParallelLinear) and row.input_is_parallel:
-        if len({_group_key(layer) for layer in layers}) != 1 or \
-                len({bool(layer.sequence_parallel) for layer in layers}) != 1:
-            return "the parallel linears differ in group or sequence_parallel"
-        world = row.pg.world_size if row.pg is not None else 1
-    else:
-        return ", ".join(type(layer).__name__ for layer in layers) + ": not plain Linear nor our parallel linears"
-    for layer, width in zip(columns, widths):
-        if list(layer.weight.shape) != [hidden, width // world]:
-            return f"{type(layer).__name__} weight {list(layer.weight.shape)} is not [{hidden}, {width // world}]"
-    if list(row.weight.shape) != [inter // world, hidden]:
-        return f"{type(row).__name__} weight {list(row.weight.shape)} is not [{inter // world}, {hidden}]"
-    return None
-
-
-def _llama_mlp_blocker(mlp) -> str | None:
-    hidden, inter = mlp.hidden_size, mlp.intermediate_size
-    if getattr(mlp, "fuse_attention_ffn", False):
-        return _mlp_blocker([mlp.gate_up_fused_proj], mlp.down_proj, hidden, [2 * inter], inter)
-    return _mlp_blocker([mlp.gate_proj, mlp.up_proj], mlp.down_proj, hidden, [inter, inter], inter)
 
 
 class DeferredMLPInput:
@@ -417,9 +689,7 @@ def _gpt_mlp(layer, backend: str):
 
     if layer.activation is not F.gelu:
         return f"activation {getattr(layer.activation, '__name__', layer.activation)}: only gelu is fused"
-    config = layer.config
-    hidden, inter = config.hidden_size, config.intermediate_size
-    blocker = _mlp_blocker([layer.linear1], layer.linear2, hidden, [inter], inter)
+    blocker = _mlp_blocker([layer.linear1], layer.linear2, [int(layer.linear2.weight.shape[0])])
     if blocker:
         return blocker
     fused = FusedGPTMLP(layer, backend)
@@ -427,8 +697,9 @@ def _gpt_mlp(layer, backend: str):
     return fused
 
 
-def _rms_norm(old, backend: str) -> FusedRMSNorm:
-    new = FusedRMSNorm(int(old.weight.shape[0]), epsilon=old.variance_epsilon, backend=backend)
+def _rms_norm(old, spec: RMSNormSpec, backend: str) -> FusedRMSNorm:
+    new = FusedRMSNorm(int(old.weight.shape[0]), epsilon=getattr(old, spec.eps), weight_offset=spec.weight_offset,
+                       backend=backend)
     new.weight = old.weight
     return new
 
@@ -469,27 +740,6 @@ def _mamba_mixer(old, backend: str):
     return new
 
 
-def _classes():
-    """PaddleNLP's classes by kind (imported here: paddlenlp is optional)."""
-    from paddlenlp.transformers.gpt import modeling as gpt
-    from paddlenlp.transformers.llama import modeling as llama
-
-    column, row, _, embedding = fleet_classes()
-    found = {"rms_norm": (llama.LlamaRMSNorm,), "layer_norm": (gpt.GPTLayerNorm,), "llama_mlp": (llama.LlamaMLP,),
-             "gpt_mlp": (gpt.GPTDecoderLayer,), "mamba_mixer": (), "lm_head": (llama.LlamaLMHead, gpt.GPTLMHead),
-             "criterion": (llama.LlamaPretrainingCriterion, gpt.GPTPretrainingCriterion),
-             "parallel_linear": column + row, "vocab_parallel_embedding": embedding,
-             "attention": (llama.LlamaAttention, gpt.MultiHeadAttention), "mamba_lm": ()}
-    try:  # the Mamba model arrived in PaddleNLP 3.0.0b4
-        from paddlenlp.transformers.mamba import modeling as mamba
-    except ImportError:
-        return found
-    found["rms_norm"] += (mamba.MambaRMSNorm,)
-    found["mamba_mixer"] = (mamba.MambaMixer,)
-    found["mamba_lm"] = (mamba.MambaForCausalLM,)
-    return found
-
-
 def _replace(root: nn.Layer, path: str, new: nn.Layer) -> None:
     parent = root
     *parents, name = path.split(".")
@@ -498,92 +748,158 @@ def _replace(root: nn.Layer, path: str, new: nn.Layer) -> None:
     parent._sub_layers[name] = new
 
 
-def _swap_lm_heads(model, kinds, lm_head: bool, backend: str, report: SwapReport, counts: Counter, replaced):
+def _spec_of(layer, table: str, default):
+    """The ``FAMILIES`` spec of ``layer``'s class (``table``: "heads" or "criteria"), else ``default``."""
+    family = _module_family(type(layer).__module__)
+    return getattr(FAMILIES[family], table).get(type(layer).__name__, default) if family else default
+
+
+def _module_family(module: str) -> str | None:
+    """The FAMILIES key of a PaddleNLP class's module (``paddlenlp.transformers.qwen2.modeling`` -> qwen2)."""
+    parts = module.split(".")
+    if len(parts) >= 3 and parts[:2] == ["paddlenlp", "transformers"] and parts[2] in FAMILIES:
+        return parts[2]
+    return None
+
+
+def _family_classes(names: List[str]) -> Dict[type, Tuple[str, str, object]]:
+    """{class: (handler, family, spec)} of the given families (``handler`` picks the swap in ``_new_layer``;
+    PaddleNLP is imported here: it is optional). Classes an installed PaddleNLP lacks are passed over."""
+    import importlib
+
+    found: Dict[type, Tuple[str, str, object]] = {}
+    for name in names:
+        family = FAMILIES[name]
+        modeling = importlib.import_module(f"paddlenlp.transformers.{family.module}.modeling")
+        entries = [(cls, ("rms_norm", spec)) for cls, spec in family.rms_norms.items()]
+        entries += [(cls, ("layer_norm", None)) for cls in family.layer_norms]
+        entries += [(cls, ("gated_mlp", spec)) for cls, spec in family.gated_mlps.items()]
+        entries += [(cls, ("bloom_mlp", None)) for cls in family.bloom_mlps]
+        entries += [(cls, ("gpt_mlp", None)) for cls in family.gpt_mlps]
+        entries += [(cls, ("mamba_mixer", None)) for cls in family.mamba_mixers]
+        entries += [(cls, ("lm_head", spec)) for cls, spec in family.heads.items()]
+        entries += [(cls, ("criterion", spec)) for cls, spec in family.criteria.items()]
+        entries += [(cls, ("attention", None)) for cls in family.attention]
+        entries += [(cls, ("left", why)) for cls, why in family.left.items()]
+        for cls_name, (handler, spec) in entries:
+            cls = nn.LayerNorm if cls_name == _PLAIN_LAYER_NORM else getattr(modeling, cls_name, None)
+            if cls is not None:
+                found[cls] = (handler, name, spec)
+    return found
+
+
+def _entry(classes, layer, default=(None, None, None)):
+    """``classes``' entry for ``layer``: its class's, else its nearest listed base class's (a user subclass)."""
+    return next((classes[cls] for cls in type(layer).__mro__ if cls in classes), default)
+
+
+def _mlp_kind(family: str, path: str) -> str:
+    return f"{family}_expert" if ".experts." in f".{path}." else f"{family}_mlp"
+
+
+def _new_layer(path: str, layer, classes, options: dict, backend: str):
+    """(kind, the layer replacing ``layer`` or the reason not), or (None, None) for a layer not swapped.
+    Kind ``gpt_mlp`` installs a ``FusedGPTMLP`` on the decoder layer itself (kept in place)."""
+    column, row, _, embedding = fleet_classes()
+    if isinstance(layer, column + row):
+        return "parallel_linear", parallel_linear(layer, backend) if options["tensor_parallel"] \
+            else "tensor_parallel=False"
+    if isinstance(layer, embedding):
+        return "vocab_parallel_embedding", VocabParallelEmbedding(layer) if options["tensor_parallel"] \
+            else "tensor_parallel=False"
+    handler, family, spec = _entry(classes, layer)
+    if handler == "rms_norm":
+        return "rms_norm", _rms_norm(layer, spec, backend) if options["norms"] else "norms=False"
+    if handler == "layer_norm":
+        return "layer_norm", _layer_norm(layer, backend) if options["norms"] else "norms=False"
+    if handler in ("gated_mlp", "bloom_mlp", "gpt_mlp"):
+        kind = _mlp_kind(family, path)
+        if not options["mlp"]:
+            return kind, "mlp=False"
+        if handler == "gated_mlp":
+            return kind, _gated_mlp(layer, spec, backend)
+        return kind, _bloom_mlp(layer, backend) if handler == "bloom_mlp" else _gpt_mlp(layer, backend)
+    if handler == "mamba_mixer":
+        return "mamba_mixer", _mamba_mixer(layer, backend) if options["mamba"] else "mamba=False"
+    if handler == "left":
+        return spec
+    return None, None
+
+
+def _swap_lm_heads(model, classes, lm_head: bool, backend: str, report: SwapReport, counts: Counter, replaced):
     for path, owner in [("", model)] + list(model.named_sublayers()):
-        if not (isinstance(owner._sub_layers.get("lm_head"), kinds["lm_head"])
-                and isinstance(owner._sub_layers.get("criterion"), kinds["criterion"])):
+        head, criterion = owner._sub_layers.get("lm_head"), owner._sub_layers.get("criterion")
+        head_entry, criterion_entry = _entry(classes, head, None), _entry(classes, criterion, None)
+        if not (head_entry and head_entry[0] == "lm_head" and criterion_entry and criterion_entry[0] == "criterion"):
             continue
         prefix = path + "." if path else ""
-        new = _swap_lm_head(owner, backend) if lm_head else "lm_head=False"
+        new = _swap_lm_head(owner, head_entry[2], criterion_entry[2], backend) if lm_head else "lm_head=False"
         if isinstance(new, str):
             report.skipped.append((prefix + "lm_head", new))
+            report.kinds[prefix + "lm_head"] = "lm_head"
             continue
         for name, layer in zip(("lm_head", "criterion"), new):
             report.swapped_paths.append((prefix + name, f"{type(owner._sub_layers[name]).__name__} -> "
                                                         f"{type(layer).__name__}"))
+            report.kinds[prefix + name] = name
             owner._sub_layers[name] = layer
             replaced.append(prefix + name)
             counts[name] += 1
 
 
-def _new_layer(layer, kinds, options: dict, backend: str):
-    """(kind, the layer replacing ``layer`` or the reason not), or (None, None) for a layer not swapped.
-    Kind ``gpt_mlp`` installs a ``FusedGPTMLP`` on the decoder layer itself (kept in place)."""
-    if isinstance(layer, kinds["parallel_linear"]):
-        return "parallel_linear", parallel_linear(layer, backend) if options["tensor_parallel"] \
-            else "tensor_parallel=False"
-    if isinstance(layer, kinds["vocab_parallel_embedding"]):
-        return "vocab_parallel_embedding", VocabParallelEmbedding(layer) if options["tensor_parallel"] \
-            else "tensor_parallel=False"
-    if isinstance(layer, kinds["rms_norm"]):
-        return "rms_norm", _rms_norm(layer, backend) if options["norms"] else "norms=False"
-    if isinstance(layer, kinds["layer_norm"]):
-        return "layer_norm", _layer_norm(layer, backend) if options["norms"] else "norms=False"
-    if isinstance(layer, kinds["llama_mlp"]):
-        blocker = _llama_mlp_blocker(layer) if options["mlp"] else "mlp=False"
-        return "llama_mlp", blocker or FusedLlamaMLP(layer, backend)
-    if isinstance(layer, kinds["gpt_mlp"]):
-        return "gpt_mlp", _gpt_mlp(layer, backend) if options["mlp"] else "mlp=False"
-    if kinds["mamba_mixer"] and isinstance(layer, kinds["mamba_mixer"]):
-        return "mamba_mixer", _mamba_mixer(layer, backend) if options["mamba"] else "mamba=False"
-    return None, None
-
-
 def swap_fused_layers(model: nn.Layer, norms: bool = True, mlp: bool = True, mamba: bool = True,
                       lm_head: bool = True, tensor_parallel: bool = True, backend: str = "auto") -> SwapReport:
-    """Replace, in place, the norms (``norms``), LLaMA and GPT MLPs (``mlp``), Mamba mixers (``mamba``),
-    the LLaMA / GPT causal-LM head + criterion (``lm_head``: labelled calls then compute the loss with
+    """Replace, in place, the norms (``norms``), MLPs and MoE experts' MLPs (``mlp``), Mamba mixers
+    (``mamba``), the causal-LM head + criterion (``lm_head``: labelled calls then compute the loss with
     ``linear_cross_entropy`` and return logits=None) and fleet's tensor-parallel linears and
-    vocabulary-parallel embeddings (``tensor_parallel``) of a PaddleNLP LLaMA / GPT / Mamba model with
-    paddlenlp_fused layers that own the same parameters; ``backend`` is given to every new layer
-    ("auto" follows ``use_backend``). Returns a ``SwapReport``. Call it after ``fleet.init`` (for a
-    tensor-parallel model) and before wrapping the model for distributed training or building a static
-    graph; an optimizer built before it stays valid (same parameters)."""
+    vocabulary-parallel embeddings (``tensor_parallel``) of a PaddleNLP model of one of the ``FAMILIES`` with
+    paddlenlp_fused layers that own the same parameters; ``backend`` is given to every new layer ("auto"
+    follows ``use_backend``). Returns a ``SwapReport``: per kind what was swapped, what was left and why. Call
+    it after ``fleet.init`` (for a tensor-parallel model) and before wrapping the model for distributed
+    training or building a static graph; an optimizer built before it stays valid (same parameters)."""
     if not isinstance(model, nn.Layer):
         raise TypeError(f"model: expected a paddle.nn.Layer, got {type(model).__name__}")
     if backend not in ("auto", "triton", "cuda", "reference"):
         raise ValueError(f"backend: expected one of 'auto', 'triton', 'cuda', 'reference', got {backend!r}")
-    kinds = _classes()
-    options = dict(norms=norms, mlp=mlp, mamba=mamba, tensor_parallel=tensor_parallel)
-    report, counts = SwapReport(), Counter()
-    replaced: List[str] = []
-    # fleet's parallel layers first, so that the MLP swaps find ours under a LLaMA MLP / GPT layer
-    parallel = ("parallel_linear", "vocab_parallel_embedding")
-    only_parallel = {kind: classes if kind in parallel else () for kind, classes in kinds.items()}
-    _swap_sublayers(model, only_parallel, options, backend, report, counts, replaced)
-    _swap_lm_heads(model, kinds, lm_head, backend, report, counts, replaced)
-    _swap_sublayers(model, dict(kinds, **{kind: () for kind in parallel}), options, backend, report, counts,
-                    replaced)
-    report.swapped = dict(counts)
+    import paddlenlp.transformers  # noqa: F401  (the optional dependency: its ImportError says what is missing)
+
     present = [layer for _, layer in model.named_sublayers(include_self=True)]
+    modules = sorted({type(layer).__module__ for layer in present if type(layer).__module__.startswith("paddlenlp.")})
+    families = sorted({_module_family(module) for module in modules} - {None})
+    classes = _family_classes(families)
+    options = dict(norms=norms, mlp=mlp, mamba=mamba, tensor_parallel=tensor_parallel)
+    report, counts = SwapReport(families=families), Counter()
+    replaced: List[str] = []
+    # fleet's parallel layers first, so that the MLP swaps find ours under an MLP / GPT layer
+    _swap_sublayers(model, {}, options, backend, report, counts, replaced, parallel_only=True)
+    _swap_lm_heads(model, classes, lm_head, backend, report, counts, replaced)
+    _swap_sublayers(model, classes, options, backend, report, counts, replaced, parallel_only=False)
+    report.swapped = dict(counts)
+    if not families:
+        where = ", ".join(modules) or f"{type(model).__module__} (not PaddleNLP's)"
+        report.notes.append(f"{type(model).__name__}: no family swap_fused_layers knows (its classes come from "
+                            f"{where}); known: {', '.join(FAMILIES)}")
     if counts["lm_head"]:
         report.notes.append(LOGITS_NOTE)
-    if any(isinstance(layer, kinds["mamba_lm"]) for layer in present):
-        report.notes.append(MAMBA_HEAD_NOTE)
-    if any(isinstance(layer, kinds["attention"]) for layer in present):
+    for name in families:
+        report.notes += [note for note in FAMILIES[name].notes if note not in report.notes]
+    if any(_entry(classes, layer)[0] == "attention" for layer in present):
         report.notes.append(ATTENTION_NOTE)
     if any(getattr(param, "sequence_parallel", False) for param in model.parameters()):
         report.notes.append(SEQUENCE_PARALLEL_NOTE)
     return report
 
 
-def _swap_sublayers(model, kinds, options, backend, report: SwapReport, counts: Counter, replaced) -> None:
+def _swap_sublayers(model, classes, options, backend, report: SwapReport, counts: Counter, replaced,
+                    parallel_only: bool) -> None:
+    fleet = sum(fleet_classes()[:2], ()) + fleet_classes()[3]
     for path, layer in list(model.named_sublayers()):
-        if any(path.startswith(done + ".") for done in replaced):
+        if any(path.startswith(done + ".") for done in replaced) or (parallel_only != isinstance(layer, fleet)):
             continue
-        kind, new = _new_layer(layer, kinds, options, backend)
+        kind, new = _new_layer(path, layer, classes, options, backend)
         if kind is None or new is None:  # not ours to swap, or a FusedGPTMLP installed by an earlier swap
             continue
+        report.kinds[path] = kind
         if isinstance(new, str):
             report.skipped.append((path, new))
             continue
