@@ -13,8 +13,8 @@ import pytest
 
 from paddlenlp_fused.kernels.triton import linear_cross_entropy as K
 from paddlenlp_fused.layers.linear_cross_entropy import LinearCrossEntropy
-from paddlenlp_fused.ops import linear_cross_entropy as lce_ops
-from paddlenlp_fused.ops.linear_cross_entropy import cce_linear_cross_entropy, linear_cross_entropy
+from paddlenlp_fused.ops import cross_entropy as lce_ops
+from paddlenlp_fused.ops.cross_entropy import cce_linear_cross_entropy, linear_cross_entropy
 from paddlenlp_fused.reference import linear_cross_entropy as ref
 from paddlenlp_fused.runtime.triton_paddle import triton_args
 from paddlenlp_fused.testing.distributed import init_fleet, run_distributed

@@ -5,7 +5,7 @@ parallel over fleet's model-parallel group. The weight is the layer's own ``[D, 
 (``transpose_y=False``, the default: PaddleNLP LLaMA's layout) or ``[V, D]`` (``transpose_y=True``), or
 an existing parameter passed as ``weight=`` (a tied ``[V, D]`` embedding), whose layout is read off its
 shape unless ``transpose_y`` is given (and must be given when the weight is square). The functional
-path is ``paddlenlp_fused.ops.linear_cross_entropy.linear_cross_entropy``.
+path is ``paddlenlp_fused.ops.linear_cross_entropy``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import contextlib
 import paddle.nn as nn
 
 from ..distributed import comm
-from ..ops.linear_cross_entropy import REDUCTIONS, linear_cross_entropy
+from ..ops.cross_entropy import REDUCTIONS, linear_cross_entropy
 
 
 def _sharded_rng():
