@@ -469,6 +469,73 @@ def test_layer_own_and_tied_weights():
         LinearCrossEntropy(D, V, transpose_y=False, weight=embedding.weight)
 
 
+def _low_precision_twin(t, dtype):
+    """A fresh leaf holding ``t``'s values in ``dtype`` (None stays None)."""
+    if t is None:
+        return None
+    twin = paddle.to_tensor(t.numpy()).astype(dtype)
+    twin.stop_gradient = False
+    return twin
+
+
+def _assert_same(name, got, want):
+    np.testing.assert_array_equal(got.astype("float32").numpy(), want.astype("float32").numpy(), err_msg=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_amp_o1_float32_weights_with_low_precision_hidden(backend):
+    """AMP O1: float32 master weights (own or a tied embedding's) with bfloat16 hidden, under
+    ``auto_cast(level="O1")`` (a no-op in Paddle's CPU build; the op must agree): the matmul in the
+    hidden's dtype as O1 casts it, the float32 weight and bias getting float32 gradients equal to the
+    bfloat16 call's. Raised TypeError before."""
+    D, V = 16, 40
+    hidden, weight, bias, labels = _inputs("float32", (2, 5), D, V, True, bias=True)
+    h16 = _low_precision_twin(hidden, "bfloat16")
+    with paddle.amp.auto_cast(level="O1", dtype="bfloat16"):
+        loss = linear_cross_entropy(h16, weight, labels, bias, backend=backend)
+    grads = paddle.grad(loss, [h16, weight, bias])
+    assert [g.dtype for g in grads] == [paddle.bfloat16, paddle.float32, paddle.float32]
+    twins = [h16] + [_low_precision_twin(t, "bfloat16") for t in (weight, bias)]
+    want = linear_cross_entropy(twins[0], twins[1], labels, twins[2], backend=backend)
+    _assert_same("loss", loss, want)
+    for name, g, w in zip(("dhidden", "dweight", "dbias"), grads, paddle.grad(want, twins)):
+        _assert_same(name, g, w)
+
+    embedding = paddle.nn.Embedding(V, D)  # float32, tied to the head
+    tied = LinearCrossEntropy(D, V, transpose_y=True, weight=embedding.weight, backend=backend)
+    tokens = paddle.to_tensor(np.random.randint(0, V, (2, 6)))
+    with paddle.amp.auto_cast(level="O1", dtype="bfloat16"):
+        h = embedding(tokens).astype("bfloat16")
+        loss = tied(h, tokens)
+    loss.backward()
+    assert embedding.weight.grad.dtype == paddle.float32
+    emb = embedding.weight.detach()  # the same with O1's casts spelled out: both uses add in float32
+    emb.stop_gradient = False
+    h = paddle.nn.functional.embedding(tokens, emb).astype("bfloat16")
+    want = linear_cross_entropy(h, emb.astype("bfloat16"), tokens, transpose_y=True, backend=backend)
+    _assert_same("tied loss", loss, want)
+    _assert_same("tied grad", embedding.weight.grad, paddle.grad(want, [emb])[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_amp_autocast_casts_float32_inputs(backend, monkeypatch):
+    """Inside an active auto_cast (simulated: Paddle's CPU build never enables it) float32 hidden,
+    weight and bias run in its dtype, as the O1 white list casts matmul's inputs; their gradients
+    come in float32."""
+    hidden, weight, bias, labels = _inputs("float32", (7,), 16, 40, False, bias=True)
+    monkeypatch.setattr(paddle.amp, "is_autocast_enabled", lambda *a, **k: True)
+    monkeypatch.setattr(paddle.amp, "get_autocast_dtype", lambda *a, **k: paddle.bfloat16)
+    loss = linear_cross_entropy(hidden, weight, labels, bias, backend=backend)
+    grads = paddle.grad(loss, [hidden, weight, bias])
+    monkeypatch.undo()
+    assert all(g.dtype == paddle.float32 for g in grads)
+    twins = [_low_precision_twin(t, "bfloat16") for t in (hidden, weight, bias)]
+    want = linear_cross_entropy(twins[0], twins[1], labels, twins[2], backend=backend)
+    _assert_same("loss", loss, want)
+    for name, g, w in zip(("dhidden", "dweight", "dbias"), grads, paddle.grad(want, twins)):
+        _assert_same(name, g, w)
+
+
 def test_cut_cross_entropy_argument_order():
     e, c, _, targets = _inputs("float32", (2, 8), 16, 50, True)
     got = cce_linear_cross_entropy(e, c, targets, None, -100, 2.0, "sum", True)

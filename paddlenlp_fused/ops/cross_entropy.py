@@ -29,6 +29,12 @@ bias gradient, the one gradient the kernels add with fp32 atomics, is summed in 
 fixed-order sum launch per chunk), on the ``triton`` and ``cuda`` backends alike; dh and dW accumulate
 in order on every path already. Without a bias it changes nothing.
 
+Dtypes (AMP): as Paddle's AMP gives matmul's inputs (``ops/_amp.py``): inside an active
+``paddle.amp.auto_cast`` float32 hidden, weight and bias are cast to its dtype (the O1 white list);
+outside, a float32 weight and bias with float16 / bfloat16 hidden (O1's master weights, a tied fp32
+embedding) are cast to the hidden's dtype, as ``fused_dense_func`` does. The casts are autograd ops:
+a float32 weight gets a float32 gradient.
+
 A label outside ``[0, V)`` (and not ``ignore_index``) raises the same ``ValueError`` on every backend:
 the reference checks before computing; the kernels store any such label in a flag the op reads once
 per call.
@@ -49,6 +55,7 @@ from ..runtime import tensor as T
 from ..runtime.backend import resolve_backend
 from ..runtime.determinism import deterministic_requested
 from ..runtime.triton_paddle import triton_args
+from ._amp import amp_cast
 from ._checks import check_tensor, contiguous, device_of
 from ._pylayer import TritonPyLayer
 
@@ -447,7 +454,8 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
                          accum_c_fp32=False, vocab_chunk=None, deterministic=None):
     """Cross-entropy of ``logits = hidden @ weight^T (+ bias)`` without holding the logits.
 
-    hidden ``[..., D]`` (float32/float16/bfloat16); weight ``[V, D]`` with ``transpose_y=True`` (tied
+    hidden ``[..., D]`` (float32/float16/bfloat16; a float32 weight and bias follow a 16-bit hidden, and
+    auto_cast casts as for matmul: module docstring); weight ``[V, D]`` with ``transpose_y=True`` (tied
     embedding, GPT) or ``[D, V]`` with ``transpose_y=False`` (PaddleNLP LLaMA LM head); ``None`` (the
     default) reads the layout off the weight's shape and requires the argument when the weight is
     square. labels ``[...]`` int. ``shift`` (True or n) predicts token t+n from position t (the last n
@@ -469,6 +477,7 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
     cuda lean path). ``deterministic``: None follows ``FLAGS_cudnn_deterministic``; True sums the
     bias gradient in a fixed order (the others accumulate in a fixed order already).
     """
+    hidden, (weight, bias) = amp_cast(hidden, [weight, bias])
     V, steps, transpose_y = _check_args(hidden, weight, labels, bias, reduction, label_smoothing, z_loss, softcap,
                                         shift, transpose_y)
     workspace_bytes = _workspace_bytes(max_workspace_gib)

@@ -330,7 +330,7 @@ LOSSES = [
           bad=(Bad("weight dim", with_(weight=randn(11, 7)), ValueError, "weight"),
                Bad("labels shape", with_(labels=labels(11, 5)), ValueError, "labels"),
                Bad("float labels", with_(labels=randn(2, 3)), TypeError, "labels")),
-          low_precision=("hidden",), o1=False),
+          low_precision=("hidden",)),
     Entry("linear_cross_entropy(bias, deterministic)",
           lambda: dict(hidden=randn(2, 3, 8), weight=randn(11, 8), labels=labels(11, 2, 3), bias=randn(11)),
           lambda backend, **t: pf.linear_cross_entropy(**t, backend=backend, deterministic=True),
@@ -340,7 +340,7 @@ LOSSES = [
           lambda layer, hidden, labels: layer(hidden, labels),
           lambda layer, hidden, labels: _plain_lce(hidden, layer.weight.T, labels),
           build=built(pf.LinearCrossEntropy, 8, 11),
-          low_precision=("hidden",), o1=False),
+          low_precision=("hidden",)),
     Entry("flash_contrastive_loss",
           lambda: dict(q=randn(6, 8, scale=0.5), k=randn(6, 8, scale=0.5)),
           lambda backend, q, k: pf.flash_contrastive_loss(
@@ -348,13 +348,13 @@ LOSSES = [
           _plain_contrastive,
           bad=(Bad("k dim", with_(k=randn(6, 7)), ValueError, "k"),
                Bad("q rank", with_(q=randn(6)), ValueError, "q")),
-          low_precision=("q", "k"), o1=False,
+          low_precision=("q", "k"),
           notes={"empty": "rejects an empty batch (ValueError naming q, k): the plain mean over 0 rows is NaN"}),
     Entry("FlashContrastiveLoss(symmetric, learnable scale)", lambda: _matching_pairs(5, 8),
           lambda layer, q, k: layer(q, k),
           lambda layer, q, k: _plain_contrastive(q, k, layer.scale(), symmetric=True),
           build=built(pf.FlashContrastiveLoss, symmetric=True, learnable_scale=True, init_scale=2.0),
-          low_precision=("q", "k"), o1=False),
+          low_precision=("q", "k")),
 ]
 
 
