@@ -18,7 +18,7 @@ from paddlenlp_fused.ops.cross_entropy import cce_linear_cross_entropy, linear_c
 from paddlenlp_fused.reference import linear_cross_entropy as ref
 from paddlenlp_fused.runtime.triton_paddle import triton_args
 from paddlenlp_fused.testing.distributed import init_fleet, run_distributed
-from paddlenlp_fused.testing.numerics import assert_close, rel_err
+from paddlenlp_fused.testing.numerics import assert_close, assert_within, rel_err
 from helpers import deterministic_settings
 
 BACKENDS = ("triton", "reference")
@@ -216,6 +216,42 @@ def test_all_ignored_batch_gives_zero_loss_and_gradients(backend, monkeypatch):
         for g in grads:
             g32 = g.astype("float32").numpy()
             assert np.all(np.isfinite(g32)) and not np.any(g32)
+
+
+def _written_out_loss(h, w, labels, ignore_index=-100):
+    """Per-token loss ``lse - s_y`` (0 where ignored) in the leaves' dtype: the composition written
+    out (Paddle's CPU F.cross_entropy clips a token's loss at 64)."""
+    s = paddle.matmul(h, w, transpose_y=True)
+    picked = paddle.take_along_axis(s, paddle.clip(labels, 0, s.shape[-1] - 1).unsqueeze(-1), axis=-1).squeeze(-1)
+    return paddle.where(labels != ignore_index, paddle.logsumexp(s, axis=-1) - picked, paddle.zeros_like(picked))
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ("cuda-bounded",))
+def test_logits_in_the_thousands_give_the_exact_loss(backend, monkeypatch):
+    """Confident or diverging logits (std ~1500) at small T: each token's loss is lse minus the label's
+    logit, not capped at 64 as Paddle's CPU F.cross_entropy caps it (the reference returned <= 64
+    where float64 gives thousands), on every path; the mean over the labelled tokens too, and its
+    gradients within the float32 composition's own error (softmax amplifies the logits' rounding
+    by their size)."""
+    backend, extra = _path_stand_in(monkeypatch, backend)
+    hidden, weight, _, labels = _inputs("float32", (8,), 16, 40, True, ignore_frac=0.25)
+    weight = _leaf(weight * 500.0, "float32")
+    (h64, w64), (h32, w32) = ([_leaf(t, dtype) for t in (hidden, weight)] for dtype in ("float64", "float32"))
+    loss64 = _written_out_loss(h64, w64, labels)
+    assert float(loss64.max()) > 1000.0  # the regime of the cap
+    if "max_workspace_gib" not in extra:  # the bounded path takes a scalar loss only
+        per_token = linear_cross_entropy(hidden, weight, labels, reduction="none", backend=backend, **extra)
+        assert_close("per-token loss", per_token.numpy(), loss64.numpy(), "float32")
+    mean = linear_cross_entropy(hidden, weight, labels, backend=backend, **extra)
+    n_valid = float((labels != -100).astype("float64").sum())
+    mean64 = loss64.sum() / n_valid
+    assert_close("mean", mean.numpy(), mean64.numpy(), "float32")
+    grads = paddle.grad(mean, [hidden, weight])
+    grads64 = paddle.grad(mean64, [h64, w64])
+    grads32 = paddle.grad(_written_out_loss(h32, w32, labels).sum() / n_valid, [h32, w32])  # the baseline
+    for name, g, g32, g64 in zip(("dhidden", "dweight"), grads, grads32, grads64):
+        base = max(rel_err(g32.numpy(), g64.numpy()), 1e-5)
+        assert_within(name, g.numpy(), g64.numpy(), 4.0 * base)
 
 
 @pytest.mark.parametrize("backend", BACKENDS + ("cuda-lean", "cuda-bounded"))

@@ -1,8 +1,11 @@
 """LM head + cross-entropy without materialising the ``[tokens, V]`` logits.
 
-``linear_cross_entropy(hidden, weight, labels, ...)`` equals the plain composition
-``F.cross_entropy(matmul(hidden, weight, transpose_y).astype("float32"), labels)`` (plus the options
-below) in loss and gradients. Vocabulary parallel with ``tp_group``.
+``linear_cross_entropy(hidden, weight, labels, ...)`` gives each labelled token the loss
+``logsumexp(logits) - logits[label]`` of ``logits = matmul(hidden, weight, transpose_y).astype("float32")``
+(plus the options below), in loss and gradients; ``reduction="mean"`` divides by the labelled tokens.
+That is ``F.cross_entropy`` of the logits except where Paddle's CPU kernel caps a token's loss at 64
+or, for ``ignore_index < 0``, divides the mean by every token (docs/ops.md). Vocabulary parallel with
+``tp_group``.
 
 Backends and paths:
 
@@ -20,8 +23,8 @@ Backends and paths:
   is absent, and the only path with the (approximate, opt-in) gradient filter ``filter_eps``: a call
   with a filter on the ``cuda`` backend runs here.
 - ``reference``: pure Paddle, float32 (CPU fallback): where the ``[tokens, V]`` logits fit one block,
-  Paddle's autograd over the logits and its fused cross-entropy kernel (3 GEMMs); else blockwise over
-  tokens, the logits recomputed in the backward.
+  Paddle's autograd over the logits, the loss written as lse - the label's logit (3 GEMMs); else
+  blockwise over tokens, the logits recomputed in the backward.
 
 ``deterministic`` (None follows ``FLAGS_cudnn_deterministic``, see ``runtime/determinism.py``): the
 bias gradient, the one gradient the kernels add with fp32 atomics, is summed in a fixed order instead
@@ -518,7 +521,7 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
     if chosen == "reference" and pg is None and hidden2d.shape[0] and ref.fits_one_block(hidden2d.shape[0], V):
         loss_tok, lse = ref.loss_and_lse_ref(hidden2d, weight, labels1d, bias, transpose_y=transpose_y,
                                              ignore_index=opts.ignore_index, label_smoothing=opts.label_smoothing,
-                                             z_loss=opts.z_loss, softcap=opts.softcap, need_lse=return_lse)
+                                             z_loss=opts.z_loss, softcap=opts.softcap)
     else:
         loss_tok, lse = LinearCrossEntropyFunction.apply(hidden2d, weight, bias, labels1d, opts)
     if reduction == "mean":
