@@ -5,6 +5,8 @@ outputs; the layer (own and tied weights); the cut-cross-entropy argument order;
 vocabulary-parallel loss (and sequence-parallel inputs) in 2 gloo processes equal to the dense one."""
 
 import ctypes
+import inspect
+import warnings
 
 import numpy as np
 import paddle
@@ -81,7 +83,8 @@ def _path_stand_in(monkeypatch, backend):
     monkeypatch.setattr(lce_ops, "_choose_backend", lambda *args: "cuda")
     monkeypatch.setattr(lce_ops, "_gemm_for", lambda like, nbytes=None: host_gemm)
     bound = (K.tuning.GEMM_WORKSPACE[0] + 12000) / 2**30  # a few blocks of tokens at these sizes
-    return "auto", ({"max_workspace_gib": bound} if backend == "cuda-bounded" else {"vocab_chunk": 64})
+    return "auto", ({"max_workspace_gib": bound} if backend == "cuda-bounded"
+                    else {"max_workspace_gib": "lean", "vocab_chunk": 64})
 
 
 def _inputs(dtype, shape, D, V, transpose_y, bias=False, ignore_index=-100, rng=np.random, ignore_frac=0.2):
@@ -315,6 +318,54 @@ def test_auto_filter_threshold_follows_the_dtype():
     assert lce_ops._filter_eps("auto", "float16") == 2.0**-15
     assert lce_ops._filter_eps("auto", "float32") == 2.0**-28
     assert lce_ops._filter_eps(None, "bfloat16") is None
+
+
+def test_default_takes_the_bounded_path_within_its_bound(monkeypatch):
+    """The cuda backend's default (max_workspace_gib="auto") is the bounded path, its plan within
+    DEFAULT_MAX_WORKSPACE_GIB (lowered here so that these tokens take 3 blocks), with the results of
+    the same bound given as a number and, to the rounding of the bounded path's logits, of the lean
+    path; where the bound holds no token's logits "auto" takes the lean path, a number raises; where
+    the call needs the lean path, "auto" says nothing. The layer passes the default on."""
+    backend, _ = _path_stand_in(monkeypatch, "cuda-bounded")
+    n_tok, D, V = 12, 8, 20
+    bound_bytes = K.tuning.GEMM_WORKSPACE[0] + 4 * 24 * 2 + 32 * n_tok  # 4 tokens of bf16 logits (V rounded to 24)
+    monkeypatch.setattr(lce_ops, "DEFAULT_MAX_WORKSPACE_GIB", bound_bytes / 2**30)
+    plans = []
+    bounded_plan = K.bounded_plan
+    monkeypatch.setattr(K, "bounded_plan", lambda *a, **k: plans.append(bounded_plan(*a, **k)) or plans[-1])
+    hidden, weight, _, labels = _inputs("bfloat16", (n_tok,), D, V, True)
+
+    def run(**options):
+        plans.clear()
+        loss = linear_cross_entropy(hidden, weight, labels, backend=backend, **options)
+        return [loss] + list(paddle.grad(loss, [hidden, weight])), list(plans)
+
+    default, default_plans = run()
+    assert len(default_plans) == 1, "the default call did not take the bounded path"
+    plan = default_plans[0]
+    assert -(-n_tok // plan.tokens) == 3
+    assert plan.tokens * plan.ld * 2 + plan.workspace + 32 * n_tok <= bound_bytes
+    given, _ = run(max_workspace_gib=bound_bytes / 2**30)
+    for name, a, b in zip(("loss", "dhidden", "dweight"), default, given):
+        _assert_same(name, a, b)
+    lean, lean_plans = run(max_workspace_gib="lean")
+    assert not lean_plans
+    for name, a, b in zip(("loss", "dhidden", "dweight"), default, lean):
+        assert_close(name, a.astype("float32").numpy(), b.astype("float32").numpy(), "bfloat16")
+
+    monkeypatch.setattr(lce_ops, "DEFAULT_MAX_WORKSPACE_GIB", 1e-6)  # holds no token's logits
+    fallback, fallback_plans = run()
+    assert not fallback_plans
+    for name, a, b in zip(("loss", "dhidden", "dweight"), fallback, lean):
+        _assert_same(name, a, b)
+    with pytest.raises(ValueError, match="holds no token's logits"):
+        linear_cross_entropy(hidden, weight, labels, backend=backend, max_workspace_gib=1e-6)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*max_workspace_gib")  # none for the default
+        linear_cross_entropy(hidden, weight, labels, backend=backend, reduction="none")
+
+    assert LinearCrossEntropy(D, V).options["max_workspace_gib"] == "auto"
+    assert inspect.signature(linear_cross_entropy).parameters["max_workspace_gib"].default == "auto"
 
 
 @pytest.mark.parametrize("backend", ("cuda-lean", "cuda-bounded"))
@@ -626,9 +677,12 @@ def test_bad_input_raises_clear_errors():
         linear_cross_entropy(h, w, labels, tp_group="model")
     with pytest.raises(ValueError, match="backend"):
         linear_cross_entropy(h, w, labels, backend="cudnn")
+    with pytest.raises(ValueError, match="max_workspace_gib"):  # the layer checks it at construction
+        LinearCrossEntropy(8, 10, max_workspace_gib=0)
     for backend in BACKENDS:  # the bound is checked where it goes unused too
-        with pytest.raises(ValueError, match="max_workspace_gib: expected None or a number > 0"):
-            linear_cross_entropy(h, w, labels, max_workspace_gib=-1.0, backend=backend)
+        for bad in (-1.0, None, "bounded", True):
+            with pytest.raises(ValueError, match="max_workspace_gib: expected 'auto', 'lean' or a number of GiB > 0"):
+                linear_cross_entropy(h, w, labels, max_workspace_gib=bad, backend=backend)
         with pytest.raises(ValueError, match="max_workspace_gib: .* holds no token's logits"):
             linear_cross_entropy(h, w, labels, max_workspace_gib=1e-6, backend=backend)
 
