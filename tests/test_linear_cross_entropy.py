@@ -221,6 +221,19 @@ def test_all_ignored_batch_gives_zero_loss_and_gradients(backend, monkeypatch):
             assert np.all(np.isfinite(g32)) and not np.any(g32)
 
 
+def _low_precision_twin(t, dtype):
+    """A fresh leaf holding ``t``'s values in ``dtype`` (None stays None)."""
+    if t is None:
+        return None
+    twin = paddle.to_tensor(t.numpy()).astype(dtype)
+    twin.stop_gradient = False
+    return twin
+
+
+def _assert_same(name, got, want):
+    np.testing.assert_array_equal(got.astype("float32").numpy(), want.astype("float32").numpy(), err_msg=name)
+
+
 def _written_out_loss(h, w, labels, ignore_index=-100):
     """Per-token loss ``lse - s_y`` (0 where ignored) in the leaves' dtype: the composition written
     out (Paddle's CPU F.cross_entropy clips a token's loss at 64)."""
@@ -554,19 +567,6 @@ def test_layer_own_and_tied_weights():
     assert_close("tied grad", embedding.weight.grad.numpy(), expected_grad.numpy(), "float32")
     with pytest.raises(ValueError, match="weight: expected shape"):
         LinearCrossEntropy(D, V, transpose_y=False, weight=embedding.weight)
-
-
-def _low_precision_twin(t, dtype):
-    """A fresh leaf holding ``t``'s values in ``dtype`` (None stays None)."""
-    if t is None:
-        return None
-    twin = paddle.to_tensor(t.numpy()).astype(dtype)
-    twin.stop_gradient = False
-    return twin
-
-
-def _assert_same(name, got, want):
-    np.testing.assert_array_equal(got.astype("float32").numpy(), want.astype("float32").numpy(), err_msg=name)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -492,10 +492,11 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
     bounded path (gradients in the forward pass, logits blocks within ``DEFAULT_MAX_WORKSPACE_GIB`` =
     1 GiB, the faster path) where the call allows it and the bound holds a token's logits, else the
     lean path; a number of GiB: the bounded path within that bound (ValueError where it holds no
-    token's logits); ``"lean"``: the lean path (about 0.1 GiB of workspace, logits recomputed). ``filter_eps`` (None = exact, ``"auto"``
-    = the input dtype's epsilon / 32, or a float): approximate; the Triton backward skips gradient tiles
-    whose entries are all below it, in the hidden's (``filter_e_grad``) and the weight's
-    (``filter_c_grad``) gradient GEMMs; a call with a filter runs on the ``triton`` backend.
+    token's logits); ``"lean"``: the lean path (about 0.1 GiB of workspace, logits recomputed).
+    ``filter_eps`` (None = exact, ``"auto"`` = the input dtype's epsilon / 32, or a float): approximate;
+    the Triton backward skips gradient tiles whose entries are all below it, in the hidden's
+    (``filter_e_grad``) and the weight's (``filter_c_grad``) gradient GEMMs; a call with a filter runs
+    on the ``triton`` backend.
     ``accum_c_fp32``: the cuda paths accumulate dW over token blocks in an fp32 buffer of the weight's
     size (else in the weight's dtype). ``vocab_chunk``: vocabulary rows per chunk (triton backward,
     cuda lean path). ``deterministic``: None follows ``FLAGS_cudnn_deterministic``; True sums the
