@@ -34,8 +34,8 @@ _EXPORTS = {
     "rmsnorm_gated_fn": "ops.norm",
     # losses
     "LinearCrossEntropy": "layers.linear_cross_entropy",
-    "linear_cross_entropy": "ops.linear_cross_entropy",
-    "cce_linear_cross_entropy": "ops.linear_cross_entropy",
+    "linear_cross_entropy": "ops.cross_entropy",
+    "cce_linear_cross_entropy": "ops.cross_entropy",
     "FlashContrastiveLoss": "layers.contrastive",
     "cal_flash_loss": "ops.contrastive",
     "flash_contrastive_loss": "ops.contrastive",

@@ -29,7 +29,7 @@ def lazy_exports(namespace: dict, exports: Dict[str, str]) -> None:
 def subpackage_exports(exports: Dict[str, str], subpackage: str, path: Iterable[str]) -> Dict[str, str]:
     """The entries of ``exports`` that live in ``subpackage``, relative to it.
 
-    A name that is also a submodule of ``subpackage`` (``linear_cross_entropy``) is left out: once any
+    A name that is also a submodule of ``subpackage`` (``gated_activation``) is left out: once any
     code imports that submodule, Python binds the module to the name, so the function could not be
     served reliably; it stays available from the top-level package."""
     prefix = subpackage + "."

@@ -359,3 +359,24 @@ def test_stage_buffers_are_checked():
                                paddle.ones([1]), work, *grads, buffer(8))
     with pytest.raises(ValueError, match="stage: expected 16 rows"):
         contrastive_grad_accumulate(*args, scale=1.0, precision="bf16", stage=stage)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_autocast_casts_float32_q_and_k(backend, monkeypatch):
+    """Inside an active auto_cast (simulated: Paddle's CPU build never enables it) float32 q and k run
+    in its dtype, as the O1 white list casts matmul's inputs (``precision`` then has no say); their
+    gradients and the learnable scale's come in float32."""
+    q, k = randn((6, 8), "float32", requires_grad=True), randn((6, 8), "float32", requires_grad=True)
+    scale = paddle.to_tensor(2.0, dtype="float32", stop_gradient=False)
+    monkeypatch.setattr(paddle.amp, "is_autocast_enabled", lambda *a, **kw: True)
+    monkeypatch.setattr(paddle.amp, "get_autocast_dtype", lambda *a, **kw: paddle.bfloat16)
+    loss = flash_contrastive_loss(q, k, scale=scale, symmetric=True, backend=backend, precision="ieee")
+    grads = paddle.grad(loss, [q, k, scale])
+    monkeypatch.undo()
+    assert all(g.dtype == paddle.float32 for g in grads)
+    q16, k16 = (paddle.to_tensor(t.numpy()).astype("bfloat16") for t in (q, k))
+    q16.stop_gradient = k16.stop_gradient = False
+    want = flash_contrastive_loss(q16, k16, scale=scale, symmetric=True, backend=backend)
+    for name, got, expected in zip(("loss", "dq", "dk", "dscale"), [loss, *grads],
+                                   [want, *paddle.grad(want, [q16, k16, scale])]):
+        np.testing.assert_array_equal(got.astype("float32").numpy(), expected.astype("float32").numpy(), err_msg=name)

@@ -25,7 +25,16 @@ def test_ops_serves_the_same_objects_as_the_package():
         assert getattr(ops, name) is getattr(paddlenlp_fused, name), name
     ops_names = {n for n, m in paddlenlp_fused._EXPORTS.items() if m.startswith("ops.")}
     # only names shadowed by a submodule of the same name are left out of ops
-    assert ops_names - set(ops.__all__) == {"gated_activation", "linear_cross_entropy"}
+    assert ops_names - set(ops.__all__) == {"gated_activation"}
+
+
+def test_ops_linear_cross_entropy_is_the_function():
+    """``ops.<name>`` is the function for the loss too, also once the layer has imported its module."""
+    import paddlenlp_fused.layers.linear_cross_entropy  # noqa: F401  (imports the op's module)
+    from paddlenlp_fused.ops import linear_cross_entropy
+
+    assert callable(linear_cross_entropy) and not isinstance(linear_cross_entropy, types.ModuleType)
+    assert linear_cross_entropy is paddlenlp_fused.linear_cross_entropy
 
 
 def test_unknown_name_raises_attribute_error():

@@ -5,6 +5,8 @@ outputs; the layer (own and tied weights); the cut-cross-entropy argument order;
 vocabulary-parallel loss (and sequence-parallel inputs) in 2 gloo processes equal to the dense one."""
 
 import ctypes
+import inspect
+import warnings
 
 import numpy as np
 import paddle
@@ -13,12 +15,12 @@ import pytest
 
 from paddlenlp_fused.kernels.triton import linear_cross_entropy as K
 from paddlenlp_fused.layers.linear_cross_entropy import LinearCrossEntropy
-from paddlenlp_fused.ops import linear_cross_entropy as lce_ops
-from paddlenlp_fused.ops.linear_cross_entropy import cce_linear_cross_entropy, linear_cross_entropy
+from paddlenlp_fused.ops import cross_entropy as lce_ops
+from paddlenlp_fused.ops.cross_entropy import cce_linear_cross_entropy, linear_cross_entropy
 from paddlenlp_fused.reference import linear_cross_entropy as ref
 from paddlenlp_fused.runtime.triton_paddle import triton_args
 from paddlenlp_fused.testing.distributed import init_fleet, run_distributed
-from paddlenlp_fused.testing.numerics import assert_close, rel_err
+from paddlenlp_fused.testing.numerics import assert_close, assert_within, rel_err
 from helpers import deterministic_settings
 
 BACKENDS = ("triton", "reference")
@@ -81,7 +83,8 @@ def _path_stand_in(monkeypatch, backend):
     monkeypatch.setattr(lce_ops, "_choose_backend", lambda *args: "cuda")
     monkeypatch.setattr(lce_ops, "_gemm_for", lambda like, nbytes=None: host_gemm)
     bound = (K.tuning.GEMM_WORKSPACE[0] + 12000) / 2**30  # a few blocks of tokens at these sizes
-    return "auto", ({"max_workspace_gib": bound} if backend == "cuda-bounded" else {"vocab_chunk": 64})
+    return "auto", ({"max_workspace_gib": bound} if backend == "cuda-bounded"
+                    else {"max_workspace_gib": "lean", "vocab_chunk": 64})
 
 
 def _inputs(dtype, shape, D, V, transpose_y, bias=False, ignore_index=-100, rng=np.random, ignore_frac=0.2):
@@ -218,6 +221,55 @@ def test_all_ignored_batch_gives_zero_loss_and_gradients(backend, monkeypatch):
             assert np.all(np.isfinite(g32)) and not np.any(g32)
 
 
+def _low_precision_twin(t, dtype):
+    """A fresh leaf holding ``t``'s values in ``dtype`` (None stays None)."""
+    if t is None:
+        return None
+    twin = paddle.to_tensor(t.numpy()).astype(dtype)
+    twin.stop_gradient = False
+    return twin
+
+
+def _assert_same(name, got, want):
+    np.testing.assert_array_equal(got.astype("float32").numpy(), want.astype("float32").numpy(), err_msg=name)
+
+
+def _written_out_loss(h, w, labels, ignore_index=-100):
+    """Per-token loss ``lse - s_y`` (0 where ignored) in the leaves' dtype: the composition written
+    out (Paddle's CPU F.cross_entropy clips a token's loss at 64)."""
+    s = paddle.matmul(h, w, transpose_y=True)
+    picked = paddle.take_along_axis(s, paddle.clip(labels, 0, s.shape[-1] - 1).unsqueeze(-1), axis=-1).squeeze(-1)
+    return paddle.where(labels != ignore_index, paddle.logsumexp(s, axis=-1) - picked, paddle.zeros_like(picked))
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ("cuda-bounded",))
+def test_logits_in_the_thousands_give_the_exact_loss(backend, monkeypatch):
+    """Confident or diverging logits (std ~1500) at small T: each token's loss is lse minus the label's
+    logit, not capped at 64 as Paddle's CPU F.cross_entropy caps it (the reference returned <= 64
+    where float64 gives thousands), on every path; the mean over the labelled tokens too, and its
+    gradients within the float32 composition's own error (softmax amplifies the logits' rounding
+    by their size)."""
+    backend, extra = _path_stand_in(monkeypatch, backend)
+    hidden, weight, _, labels = _inputs("float32", (8,), 16, 40, True, ignore_frac=0.25)
+    weight = _leaf(weight * 500.0, "float32")
+    (h64, w64), (h32, w32) = ([_leaf(t, dtype) for t in (hidden, weight)] for dtype in ("float64", "float32"))
+    loss64 = _written_out_loss(h64, w64, labels)
+    assert float(loss64.max()) > 1000.0  # the regime of the cap
+    if "max_workspace_gib" not in extra:  # the bounded path takes a scalar loss only
+        per_token = linear_cross_entropy(hidden, weight, labels, reduction="none", backend=backend, **extra)
+        assert_close("per-token loss", per_token.numpy(), loss64.numpy(), "float32")
+    mean = linear_cross_entropy(hidden, weight, labels, backend=backend, **extra)
+    n_valid = float((labels != -100).astype("float64").sum())
+    mean64 = loss64.sum() / n_valid
+    assert_close("mean", mean.numpy(), mean64.numpy(), "float32")
+    grads = paddle.grad(mean, [hidden, weight])
+    grads64 = paddle.grad(mean64, [h64, w64])
+    grads32 = paddle.grad(_written_out_loss(h32, w32, labels).sum() / n_valid, [h32, w32])  # the baseline
+    for name, g, g32, g64 in zip(("dhidden", "dweight"), grads, grads32, grads64):
+        base = max(rel_err(g32.numpy(), g64.numpy()), 1e-5)
+        assert_within(name, g.numpy(), g64.numpy(), 4.0 * base)
+
+
 @pytest.mark.parametrize("backend", BACKENDS + ("cuda-lean", "cuda-bounded"))
 def test_labels_out_of_range(backend, monkeypatch):
     """The same ValueError on every backend (the kernels' flag, read once per call)."""
@@ -279,6 +331,54 @@ def test_auto_filter_threshold_follows_the_dtype():
     assert lce_ops._filter_eps("auto", "float16") == 2.0**-15
     assert lce_ops._filter_eps("auto", "float32") == 2.0**-28
     assert lce_ops._filter_eps(None, "bfloat16") is None
+
+
+def test_default_takes_the_bounded_path_within_its_bound(monkeypatch):
+    """The cuda backend's default (max_workspace_gib="auto") is the bounded path, its plan within
+    DEFAULT_MAX_WORKSPACE_GIB (lowered here so that these tokens take 3 blocks), with the results of
+    the same bound given as a number and, to the rounding of the bounded path's logits, of the lean
+    path; where the bound holds no token's logits "auto" takes the lean path, a number raises; where
+    the call needs the lean path, "auto" says nothing. The layer passes the default on."""
+    backend, _ = _path_stand_in(monkeypatch, "cuda-bounded")
+    n_tok, D, V = 12, 8, 20
+    bound_bytes = K.tuning.GEMM_WORKSPACE[0] + 4 * 24 * 2 + 32 * n_tok  # 4 tokens of bf16 logits (V rounded to 24)
+    monkeypatch.setattr(lce_ops, "DEFAULT_MAX_WORKSPACE_GIB", bound_bytes / 2**30)
+    plans = []
+    bounded_plan = K.bounded_plan
+    monkeypatch.setattr(K, "bounded_plan", lambda *a, **k: plans.append(bounded_plan(*a, **k)) or plans[-1])
+    hidden, weight, _, labels = _inputs("bfloat16", (n_tok,), D, V, True)
+
+    def run(**options):
+        plans.clear()
+        loss = linear_cross_entropy(hidden, weight, labels, backend=backend, **options)
+        return [loss] + list(paddle.grad(loss, [hidden, weight])), list(plans)
+
+    default, default_plans = run()
+    assert len(default_plans) == 1, "the default call did not take the bounded path"
+    plan = default_plans[0]
+    assert -(-n_tok // plan.tokens) == 3
+    assert plan.tokens * plan.ld * 2 + plan.workspace + 32 * n_tok <= bound_bytes
+    given, _ = run(max_workspace_gib=bound_bytes / 2**30)
+    for name, a, b in zip(("loss", "dhidden", "dweight"), default, given):
+        _assert_same(name, a, b)
+    lean, lean_plans = run(max_workspace_gib="lean")
+    assert not lean_plans
+    for name, a, b in zip(("loss", "dhidden", "dweight"), default, lean):
+        assert_close(name, a.astype("float32").numpy(), b.astype("float32").numpy(), "bfloat16")
+
+    monkeypatch.setattr(lce_ops, "DEFAULT_MAX_WORKSPACE_GIB", 1e-6)  # holds no token's logits
+    fallback, fallback_plans = run()
+    assert not fallback_plans
+    for name, a, b in zip(("loss", "dhidden", "dweight"), fallback, lean):
+        _assert_same(name, a, b)
+    with pytest.raises(ValueError, match="holds no token's logits"):
+        linear_cross_entropy(hidden, weight, labels, backend=backend, max_workspace_gib=1e-6)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*max_workspace_gib")  # none for the default
+        linear_cross_entropy(hidden, weight, labels, backend=backend, reduction="none")
+
+    assert LinearCrossEntropy(D, V).options["max_workspace_gib"] == "auto"
+    assert inspect.signature(linear_cross_entropy).parameters["max_workspace_gib"].default == "auto"
 
 
 @pytest.mark.parametrize("backend", ("cuda-lean", "cuda-bounded"))
@@ -469,6 +569,60 @@ def test_layer_own_and_tied_weights():
         LinearCrossEntropy(D, V, transpose_y=False, weight=embedding.weight)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_amp_o1_float32_weights_with_low_precision_hidden(backend):
+    """AMP O1: float32 master weights (own or a tied embedding's) with bfloat16 hidden, under
+    ``auto_cast(level="O1")`` (a no-op in Paddle's CPU build; the op must agree): the matmul in the
+    hidden's dtype as O1 casts it, the float32 weight and bias getting float32 gradients equal to the
+    bfloat16 call's. Raised TypeError before."""
+    D, V = 16, 40
+    hidden, weight, bias, labels = _inputs("float32", (2, 5), D, V, True, bias=True)
+    h16 = _low_precision_twin(hidden, "bfloat16")
+    with paddle.amp.auto_cast(level="O1", dtype="bfloat16"):
+        loss = linear_cross_entropy(h16, weight, labels, bias, backend=backend)
+    grads = paddle.grad(loss, [h16, weight, bias])
+    assert [g.dtype for g in grads] == [paddle.bfloat16, paddle.float32, paddle.float32]
+    twins = [h16] + [_low_precision_twin(t, "bfloat16") for t in (weight, bias)]
+    want = linear_cross_entropy(twins[0], twins[1], labels, twins[2], backend=backend)
+    _assert_same("loss", loss, want)
+    for name, g, w in zip(("dhidden", "dweight", "dbias"), grads, paddle.grad(want, twins)):
+        _assert_same(name, g, w)
+
+    embedding = paddle.nn.Embedding(V, D)  # float32, tied to the head
+    tied = LinearCrossEntropy(D, V, transpose_y=True, weight=embedding.weight, backend=backend)
+    tokens = paddle.to_tensor(np.random.randint(0, V, (2, 6)))
+    with paddle.amp.auto_cast(level="O1", dtype="bfloat16"):
+        h = embedding(tokens).astype("bfloat16")
+        loss = tied(h, tokens)
+    loss.backward()
+    assert embedding.weight.grad.dtype == paddle.float32
+    emb = embedding.weight.detach()  # the same with O1's casts spelled out: both uses add in float32
+    emb.stop_gradient = False
+    h = paddle.nn.functional.embedding(tokens, emb).astype("bfloat16")
+    want = linear_cross_entropy(h, emb.astype("bfloat16"), tokens, transpose_y=True, backend=backend)
+    _assert_same("tied loss", loss, want)
+    _assert_same("tied grad", embedding.weight.grad, paddle.grad(want, [emb])[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_amp_autocast_casts_float32_inputs(backend, monkeypatch):
+    """Inside an active auto_cast (simulated: Paddle's CPU build never enables it) float32 hidden,
+    weight and bias run in its dtype, as the O1 white list casts matmul's inputs; their gradients
+    come in float32."""
+    hidden, weight, bias, labels = _inputs("float32", (7,), 16, 40, False, bias=True)
+    monkeypatch.setattr(paddle.amp, "is_autocast_enabled", lambda *a, **k: True)
+    monkeypatch.setattr(paddle.amp, "get_autocast_dtype", lambda *a, **k: paddle.bfloat16)
+    loss = linear_cross_entropy(hidden, weight, labels, bias, backend=backend)
+    grads = paddle.grad(loss, [hidden, weight, bias])
+    monkeypatch.undo()
+    assert all(g.dtype == paddle.float32 for g in grads)
+    twins = [_low_precision_twin(t, "bfloat16") for t in (hidden, weight, bias)]
+    want = linear_cross_entropy(twins[0], twins[1], labels, twins[2], backend=backend)
+    _assert_same("loss", loss, want)
+    for name, g, w in zip(("dhidden", "dweight", "dbias"), grads, paddle.grad(want, twins)):
+        _assert_same(name, g, w)
+
+
 def test_cut_cross_entropy_argument_order():
     e, c, _, targets = _inputs("float32", (2, 8), 16, 50, True)
     got = cce_linear_cross_entropy(e, c, targets, None, -100, 2.0, "sum", True)
@@ -523,9 +677,12 @@ def test_bad_input_raises_clear_errors():
         linear_cross_entropy(h, w, labels, tp_group="model")
     with pytest.raises(ValueError, match="backend"):
         linear_cross_entropy(h, w, labels, backend="cudnn")
+    with pytest.raises(ValueError, match="max_workspace_gib"):  # the layer checks it at construction
+        LinearCrossEntropy(8, 10, max_workspace_gib=0)
     for backend in BACKENDS:  # the bound is checked where it goes unused too
-        with pytest.raises(ValueError, match="max_workspace_gib: expected None or a number > 0"):
-            linear_cross_entropy(h, w, labels, max_workspace_gib=-1.0, backend=backend)
+        for bad in (-1.0, None, "bounded", True):
+            with pytest.raises(ValueError, match="max_workspace_gib: expected 'auto', 'lean' or a number of GiB > 0"):
+                linear_cross_entropy(h, w, labels, max_workspace_gib=bad, backend=backend)
         with pytest.raises(ValueError, match="max_workspace_gib: .* holds no token's logits"):
             linear_cross_entropy(h, w, labels, max_workspace_gib=1e-6, backend=backend)
 

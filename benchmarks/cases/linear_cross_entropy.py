@@ -1,13 +1,15 @@
 """Linear + cross-entropy fwd+bwd, T=8192 tokens, D=4096, V=128256, bf16, loss + grads of hidden and
 weight [V, D] (PERFORMANCE.md), every path of ours beside torch and its peers in one process:
 
-- ``lean`` (the op's default on the GPU): cuBLASLt GEMMs on [Tb, Vc] chunks of fp32 logits (in the
+- ``lean`` (``max_workspace_gib="lean"``, and the op's path where the bounded one does not apply):
+  cuBLASLt GEMMs on [Tb, Vc] chunks of fp32 logits (in the
   backward the bf16 gradient written over them), Triton softmax work, 4 GEMMs, workspace flat in T
   and V; the op's label check (one flag read) and its host read of the gradient scale included; one
   row without the flag read prices it; one row with smaller token blocks in the backward (more passes
   over dW, a larger vocabulary chunk);
-- ``bounded`` (``max_workspace_gib``): [Tb, V] logits blocks fitting the bound, gradients in the
-  forward pass (3 GEMMs), dW in bf16 or accumulated into an existing fp32 buffer (main_grad);
+- ``bounded`` (the op's default on the GPU, within 1 GiB; or ``max_workspace_gib`` given): [Tb, V]
+  logits blocks fitting the bound, gradients in the forward pass (3 GEMMs), dW in bf16 or
+  accumulated into an existing fp32 buffer (main_grad);
 - ``triton``: the all-Triton fallback (no cuBLAS), exact and with the gradient filter;
 - torch (logits in bf16, fp32 cross-entropy), torch chunked 8 x 1024 tokens with gradients in the
   forward and the CE compiled, Liger's fused linear CE and Apple's CCE when importable.

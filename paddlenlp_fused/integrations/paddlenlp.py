@@ -80,7 +80,7 @@ from ..layers.mamba import MambaMixer
 from ..layers.norm import FusedLayerNorm, FusedRMSNorm
 from ..layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..ops.fused_dense import fused_mlp_func
-from ..ops.linear_cross_entropy import linear_cross_entropy
+from ..ops.cross_entropy import linear_cross_entropy
 from .paddlenlp_parallel import VocabParallelEmbedding, fleet_classes, parallel_linear, parallel_logits, sequence_chunk
 
 # what the swap leaves to PaddleNLP, each reported only for a model it applies to (sep / context

@@ -63,7 +63,7 @@ def linear_cross_entropy(e, c, targets, ignore_index=-100, softcap=None, reducti
     LLaMA passes its untied ``lm_head.weight`` ``[hidden, vocab]`` as is (a square ``[D, D]`` c is taken as
     ``[V, D]``, as paddlenlp_kernel does). targets ``[...]``. ``filter_eps`` defaults to ``"auto"`` as there
     (gradient tiles below 2^-12 skipped by the Triton backward; exact on the reference backend)."""
-    from ..ops.linear_cross_entropy import linear_cross_entropy as op
+    from ..ops.cross_entropy import linear_cross_entropy as op
 
     if str(getattr(impl, "name", impl)).lower() != "cce":
         raise NotImplementedError(f"impl: only 'cce' exists here (as in paddlenlp_kernel), got {impl!r}")

@@ -5,7 +5,7 @@ parallel over fleet's model-parallel group. The weight is the layer's own ``[D, 
 (``transpose_y=False``, the default: PaddleNLP LLaMA's layout) or ``[V, D]`` (``transpose_y=True``), or
 an existing parameter passed as ``weight=`` (a tied ``[V, D]`` embedding), whose layout is read off its
 shape unless ``transpose_y`` is given (and must be given when the weight is square). The functional
-path is ``paddlenlp_fused.ops.linear_cross_entropy.linear_cross_entropy``.
+path is ``paddlenlp_fused.ops.linear_cross_entropy``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import contextlib
 import paddle.nn as nn
 
 from ..distributed import comm
-from ..ops.linear_cross_entropy import REDUCTIONS, linear_cross_entropy
+from ..ops.cross_entropy import REDUCTIONS, check_workspace_bound, linear_cross_entropy
 
 
 def _sharded_rng():
@@ -37,17 +37,19 @@ class LinearCrossEntropy(nn.Layer):
     group; False: the weight is replicated and each rank computes the dense loss.
     ``sequence_parallel``: hidden and labels are this rank's sequence chunk (gathered inside).
     The loss options (``ignore_index``, ``reduction``, ``label_smoothing``, ``z_loss``, ``softcap``,
-    ``shift``, ``max_workspace_gib``, ``filter_eps``, ``backend``) are those of ``linear_cross_entropy``.
+    ``shift``, ``max_workspace_gib``, ``filter_eps``, ``backend``) are those of ``linear_cross_entropy``,
+    with its defaults (``max_workspace_gib="auto"``: the bounded path within 1 GiB where it applies).
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, transpose_y=None, tensor_parallel_output=None,
                  ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                  z_loss: float = 0.0, softcap=None, shift=False, has_bias: bool = False,
                  sequence_parallel: bool = False, weight=None, weight_attr=None, bias_attr=None,
-                 filter_eps=None, backend: str = "auto", max_workspace_gib=None):
+                 filter_eps=None, backend: str = "auto", max_workspace_gib="auto"):
         super().__init__()
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+        check_workspace_bound(max_workspace_gib)
         group = comm.model_parallel_group()
         if tensor_parallel_output is None:
             tensor_parallel_output = group is not None

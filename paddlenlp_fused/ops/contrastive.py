@@ -41,6 +41,7 @@ from ..reference.contrastive import contrastive_loss_ref
 from ..runtime import tensor as T
 from ..runtime.backend import resolve_backend
 from ..runtime.triton_paddle import triton_args
+from ._amp import autocast_dtype, cast_float32
 from ._checks import check_tensor, contiguous, device_of
 from ._pylayer import TritonPyLayer, grads_for, needs_grad
 
@@ -206,7 +207,14 @@ def flash_contrastive_loss(q: paddle.Tensor, k: paddle.Tensor, labels: paddle.Te
     or bf16, any D), labels ``[B]`` int (default: each row's own index), ``scale`` float or scalar
     tensor. ``precision`` (float32 inputs): ``"auto"``/``"tf32"`` tf32 tensor cores, ``"bf16"`` bf16
     operands (fp32 accumulation), ``"ieee"`` exact fp32. Returns float32: a scalar, or ``[B]`` for
-    ``reduction="none"``."""
+    ``reduction="none"``. Inside an active ``paddle.amp.auto_cast``, float32 q and k run in its dtype
+    (the O1 white list casts matmul's inputs), whatever ``precision`` says."""
+    target = autocast_dtype()
+    if target is not None:
+        cast_q, cast_k = cast_float32([q, k], target)
+        if (cast_q is not q or cast_k is not k) and precision in PRECISIONS:
+            precision = "auto"  # the auto_cast dtype is the matmul's precision now
+        q, k = cast_q, cast_k
     _check_inputs(q, k, labels, scale, symmetric, reduction, precision)
     pg = resolve_group(group)
     ring = Ring(pg)

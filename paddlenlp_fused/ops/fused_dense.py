@@ -67,6 +67,7 @@ from ..reference.fused_dense import GATED, fused_dense_ref, fused_mlp_ref
 from ..runtime import tensor as T
 from ..runtime.backend import resolve_backend
 from ..runtime.triton_paddle import triton_args, triton_scoped
+from ._amp import amp_cast
 from ._checks import check_tensor, contiguous, device_of
 from ._pylayer import TritonPyLayer
 
@@ -370,25 +371,6 @@ class _FusedDenseFunction(TritonPyLayer):
 
 # ---- argument checks and dispatch ----------------------------------------------------------------
 
-def _amp_cast(x, params):
-    """(x, params) in the dtype Paddle's AMP O1 white list gives matmul's inputs: inside an active
-    auto_cast, float32 tensors in its dtype; outside, float32 params in a 16-bit x's dtype. Other
-    mixes are left for the dtype checks to reject."""
-    def is_fp32(t):
-        return isinstance(t, paddle.Tensor) and t.dtype == paddle.float32
-
-    target = None
-    if paddle.amp.is_autocast_enabled():
-        target = str(paddle.amp.get_autocast_dtype()).split(".")[-1]
-        if is_fp32(x):
-            x = x.astype(target)
-    elif isinstance(x, paddle.Tensor) and x.dtype in (paddle.float16, paddle.bfloat16):
-        target = T.dtype_name(x)
-    if target is not None:
-        params = [p.astype(target) if is_fp32(p) else p for p in params]
-    return x, params
-
-
 def _check_weight(name, w, rows, dtype, what):
     check_tensor(name, w, min_ndim=2)
     if w.ndim != 2 or (rows is not None and w.shape[0] != rows):
@@ -464,7 +446,7 @@ def fused_dense_func(x: paddle.Tensor, weight: paddle.Tensor, bias: Optional[pad
     """
     check_tensor("x", x)
     residual = x
-    x, (weight, bias) = _amp_cast(x, [weight, bias])
+    x, (weight, bias) = amp_cast(x, [weight, bias])
     _check_weight("weight", weight, x.shape[-1], x.dtype, "x's last axis = in")
     _check_bias("bias", bias, weight.shape[1], x.dtype)
     pg = comm.as_parallel_group(process_group)
@@ -512,7 +494,7 @@ def fused_mlp_func(x: paddle.Tensor, weight1: paddle.Tensor, weight2: paddle.Ten
     check_mlp_options(activation, checkpoint_lvl)
     heuristic_index = _resolve_heuristic(heuristic)
     residual = x
-    x, (weight1, weight2, bias1, bias2) = _amp_cast(x, [weight1, weight2, bias1, bias2])
+    x, (weight1, weight2, bias1, bias2) = amp_cast(x, [weight1, weight2, bias1, bias2])
     _check_weight("weight1", weight1, x.shape[-1], x.dtype, "x's last axis = in")
     _check_weight("weight2", weight2, None, x.dtype, "[hidden, out]")
     hidden = weight2.shape[0]

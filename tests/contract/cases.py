@@ -296,10 +296,53 @@ DENSE = [
 # ---- losses ------------------------------------------------------------------------------------
 
 def _plain_lce(hidden, weight, labels, bias=None):
+    """The mean over the labelled tokens of lse - the label's logit, written out: Paddle's CPU
+    F.cross_entropy clips a token's loss at 64 and, for ignore_index < 0 (-100 here), divides by every
+    token."""
     logits = paddle.matmul(hidden, weight, transpose_y=True)
     if bias is not None:
         logits = logits + bias
-    return F.cross_entropy(logits.reshape([-1, logits.shape[-1]]), labels.reshape([-1]))
+    logits, labels = logits.reshape([-1, logits.shape[-1]]), labels.reshape([-1])
+    valid = labels != -100
+    picked = paddle.take_along_axis(logits, paddle.clip(labels, 0, logits.shape[-1] - 1).unsqueeze(-1), axis=-1)
+    loss = paddle.logsumexp(logits, axis=-1) - picked.squeeze(-1)
+    loss = paddle.where(valid, loss, paddle.zeros_like(loss))
+    return loss.sum() / paddle.clip(valid.astype("float32").sum(), min=1.0)
+
+
+def _confident_lce(shape, D, V):
+    """hidden [*shape, D] and weight [V, D] whose logits are in the thousands (the regime where Paddle's
+    softmax clips), their classes 200 apart: hidden's first channel is +-100, weight's first column
+    a permutation of 0, 2, ..., 2 (V - 1); the other channels add O(3). The softmax is then one-hot in
+    float32 too, so the fused op and the float32 composition agree to rounding."""
+    hidden = np.random.randn(*shape, D)
+    hidden[..., 0] = 100.0 * np.sign(np.random.randn(*shape))
+    weight = np.random.randn(V, D)
+    weight[:, 0] = 2.0 * np.random.permutation(V)
+    return paddle.to_tensor(hidden.astype(np.float32)), paddle.to_tensor(weight.astype(np.float32))
+
+
+def _some_ignored(high, *shape):
+    """Labels with about a third ignored (-100), at least one of each kind."""
+    values = np.random.randint(0, high, shape).reshape(-1)
+    values[np.random.permutation(values.size)[:max(1, values.size // 3)]] = -100
+    return paddle.to_tensor(values.reshape(shape).astype(np.int64))
+
+
+def _lce_inputs(shape, bias=False):
+    hidden, weight = _confident_lce(shape, 8, 11)
+    inputs = dict(hidden=hidden, weight=weight, labels=_some_ignored(11, *shape))
+    return {**inputs, "bias": randn(11)} if bias else inputs
+
+
+def _confident_layer(backend):
+    """LinearCrossEntropy(8, 11) whose [D, V] weight gives _confident_lce's logits."""
+    layer = built(pf.LinearCrossEntropy, 8, 11)(backend)
+    rng = np.random.RandomState(4321)
+    weight = rng.randn(8, 11)
+    weight[0] = 2.0 * rng.permutation(11)
+    layer.weight.set_value(paddle.to_tensor(weight.astype(np.float32)))
+    return layer
 
 
 def _plain_contrastive(q, k, scale=2.0, symmetric=False):
@@ -323,24 +366,24 @@ def _matching_pairs(batch, dim):
 
 LOSSES = [
     Entry("linear_cross_entropy",
-          lambda: dict(hidden=randn(2, 3, 8), weight=randn(11, 8), labels=labels(11, 2, 3)),
+          lambda: _lce_inputs((2, 3)),
           lambda backend, hidden, weight, labels: pf.linear_cross_entropy(hidden, weight, labels, backend=backend),
           _plain_lce,
           empty=lambda: dict(hidden=randn(0, 8), weight=randn(11, 8), labels=labels(11, 0)),
           bad=(Bad("weight dim", with_(weight=randn(11, 7)), ValueError, "weight"),
                Bad("labels shape", with_(labels=labels(11, 5)), ValueError, "labels"),
                Bad("float labels", with_(labels=randn(2, 3)), TypeError, "labels")),
-          low_precision=("hidden",), o1=False),
+          low_precision=("hidden",)),
     Entry("linear_cross_entropy(bias, deterministic)",
-          lambda: dict(hidden=randn(2, 3, 8), weight=randn(11, 8), labels=labels(11, 2, 3), bias=randn(11)),
+          lambda: _lce_inputs((2, 3), bias=True),
           lambda backend, **t: pf.linear_cross_entropy(**t, backend=backend, deterministic=True),
           _plain_lce),
     Entry("LinearCrossEntropy",
-          lambda: dict(hidden=randn(5, 8), labels=labels(11, 5)),
+          lambda: dict(hidden=_confident_lce((5,), 8, 11)[0], labels=_some_ignored(11, 5)),
           lambda layer, hidden, labels: layer(hidden, labels),
           lambda layer, hidden, labels: _plain_lce(hidden, layer.weight.T, labels),
-          build=built(pf.LinearCrossEntropy, 8, 11),
-          low_precision=("hidden",), o1=False),
+          build=_confident_layer,
+          low_precision=("hidden",)),
     Entry("flash_contrastive_loss",
           lambda: dict(q=randn(6, 8, scale=0.5), k=randn(6, 8, scale=0.5)),
           lambda backend, q, k: pf.flash_contrastive_loss(
@@ -348,13 +391,13 @@ LOSSES = [
           _plain_contrastive,
           bad=(Bad("k dim", with_(k=randn(6, 7)), ValueError, "k"),
                Bad("q rank", with_(q=randn(6)), ValueError, "q")),
-          low_precision=("q", "k"), o1=False,
+          low_precision=("q", "k"),
           notes={"empty": "rejects an empty batch (ValueError naming q, k): the plain mean over 0 rows is NaN"}),
     Entry("FlashContrastiveLoss(symmetric, learnable scale)", lambda: _matching_pairs(5, 8),
           lambda layer, q, k: layer(q, k),
           lambda layer, q, k: _plain_contrastive(q, k, layer.scale(), symmetric=True),
           build=built(pf.FlashContrastiveLoss, symmetric=True, learnable_scale=True, init_scale=2.0),
-          low_precision=("q", "k"), o1=False),
+          low_precision=("q", "k")),
 ]
 
 

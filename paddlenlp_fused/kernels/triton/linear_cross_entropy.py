@@ -685,13 +685,18 @@ def lean_workspace(plan: ChunkPlan, D: int) -> dict:
     return out
 
 
+def bounded_tokens(V: int, dtype: str, max_bytes: int) -> int:
+    """How many tokens' [., V] logits (``dtype``) fit ``max_bytes`` beside the least GEMM workspace."""
+    return (int(max_bytes) - tuning.GEMM_WORKSPACE[0]) // (_round8(V) * T.itemsize(dtype))
+
+
 def bounded_plan(n_tok: int, V: int, dtype: str, max_bytes: int) -> ChunkPlan:
     """The fewest token blocks whose [Tb, V] logits (``dtype``) and the GEMM workspace fit ``max_bytes``,
     balanced in size (each block reads and writes the whole dW, so few large blocks beat many small
     ones); the workspace takes what the logits leave, between tuning.GEMM_WORKSPACE's bounds."""
     row = _round8(V) * T.itemsize(dtype)
     least, most_ws = tuning.GEMM_WORKSPACE
-    most = (int(max_bytes) - least) // row
+    most = bounded_tokens(V, dtype, max_bytes)
     if most < 1:
         raise ValueError(f"max_workspace_gib: {max_bytes / 2**30:.4g} GiB holds no token's logits "
                          f"({row} bytes a token at V={V}, plus {least} bytes of GEMM workspace)")

@@ -1,33 +1,44 @@
 """LM head + cross-entropy without materialising the ``[tokens, V]`` logits.
 
-``linear_cross_entropy(hidden, weight, labels, ...)`` equals the plain composition
-``F.cross_entropy(matmul(hidden, weight, transpose_y).astype("float32"), labels)`` (plus the options
-below) in loss and gradients. Vocabulary parallel with ``tp_group``.
+``linear_cross_entropy(hidden, weight, labels, ...)`` gives each labelled token the loss
+``logsumexp(logits) - logits[label]`` of ``logits = matmul(hidden, weight, transpose_y).astype("float32")``
+(plus the options below), in loss and gradients; ``reduction="mean"`` divides by the labelled tokens.
+That is ``F.cross_entropy`` of the logits except where Paddle's CPU kernel caps a token's loss at 64
+or, for ``ignore_index < 0``, divides the mean by every token (docs/ops.md). Vocabulary parallel with
+``tp_group``.
 
 Backends and paths:
 
 - ``cuda`` (the GPU default when the CUDA library and cuBLASLt load): cuBLASLt GEMMs on chunks, the
   softmax work in Triton (``kernels/triton/linear_cross_entropy.py``, chunked section), two paths:
-  *lean* (default): token blocks x vocabulary chunks of fp32 logits, recomputed in the backward (4
-  GEMMs), where the gradient (input dtype) is written over them and dh accumulates in fp32; under
-  0.1 GiB of workspace whatever T and V are;
-  *bounded* (``max_workspace_gib`` given): token blocks whose ``[Tb, V]`` logits fit the bound, the
-  gradients computed in the forward pass (3 GEMMs); the loss comes from logits rounded once to the
-  input dtype (as in the plain composition in that dtype). It needs the gradient of a scalar loss:
-  ``reduction="none"``, ``return_lse=True``, calls under ``no_grad`` and calls where no input needs a
-  gradient take the lean path instead (a warning says so once).
+  *bounded* (the default): token blocks whose ``[Tb, V]`` logits fit ``max_workspace_gib`` (``"auto"``:
+  ``DEFAULT_MAX_WORKSPACE_GIB``, 1 GiB), the gradients computed in the forward pass (3 GEMMs; faster
+  than lean, benchmarks/NOTES.md); the loss comes from logits rounded once to the input dtype (as in
+  the plain composition in that dtype). It needs the gradient of a scalar loss: ``reduction="none"``,
+  ``return_lse=True``, calls under ``no_grad`` and calls where no input needs a gradient take the
+  lean path instead (a warning says so once where the bound was given as a number), and so does a
+  call whose bound holds not one token's logits (``"auto"``: the lean path; a number: ValueError);
+  *lean* (``max_workspace_gib="lean"``): token blocks x vocabulary chunks of fp32 logits, recomputed
+  in the backward (4 GEMMs), where the gradient (input dtype) is written over them and dh accumulates
+  in fp32; under 0.1 GiB of workspace whatever T and V are.
 - ``triton``: every GEMM in Triton (forward 1 GEMM, backward 3), the fallback where the CUDA library
   is absent, and the only path with the (approximate, opt-in) gradient filter ``filter_eps``: a call
   with a filter on the ``cuda`` backend runs here.
 - ``reference``: pure Paddle, float32 (CPU fallback): where the ``[tokens, V]`` logits fit one block,
-  Paddle's autograd over the logits and its fused cross-entropy kernel (3 GEMMs); else blockwise over
-  tokens, the logits recomputed in the backward.
+  Paddle's autograd over the logits, the loss written as lse - the label's logit (3 GEMMs); else
+  blockwise over tokens, the logits recomputed in the backward.
 
 ``deterministic`` (None follows ``FLAGS_cudnn_deterministic``, see ``runtime/determinism.py``): the
 bias gradient, the one gradient the kernels add with fp32 atomics, is summed in a fixed order instead
 (a float32 workspace of one row of column sums per token block of a logits chunk, and one small
 fixed-order sum launch per chunk), on the ``triton`` and ``cuda`` backends alike; dh and dW accumulate
 in order on every path already. Without a bias it changes nothing.
+
+Dtypes (AMP): as Paddle's AMP gives matmul's inputs (``ops/_amp.py``): inside an active
+``paddle.amp.auto_cast`` float32 hidden, weight and bias are cast to its dtype (the O1 white list);
+outside, a float32 weight and bias with float16 / bfloat16 hidden (O1's master weights, a tied fp32
+embedding) are cast to the hidden's dtype, as ``fused_dense_func`` does. The casts are autograd ops:
+a float32 weight gets a float32 gradient.
 
 A label outside ``[0, V)`` (and not ``ignore_index``) raises the same ``ValueError`` on every backend:
 the reference checks before computing; the kernels store any such label in a flag the op reads once
@@ -49,10 +60,12 @@ from ..runtime import tensor as T
 from ..runtime.backend import resolve_backend
 from ..runtime.determinism import deterministic_requested
 from ..runtime.triton_paddle import triton_args
+from ._amp import amp_cast
 from ._checks import check_tensor, contiguous, device_of
 from ._pylayer import TritonPyLayer
 
 REDUCTIONS = ("mean", "sum", "none")
+DEFAULT_MAX_WORKSPACE_GIB = 1.0  # the bounded path's bound under max_workspace_gib="auto"
 _warned: set = set()
 
 
@@ -393,13 +406,29 @@ def _filter_eps(filter_eps, dtype: str):
     return float(filter_eps)
 
 
-def _workspace_bytes(max_workspace_gib):
-    if max_workspace_gib is None:
-        return None
+def check_workspace_bound(max_workspace_gib):
+    """``max_workspace_gib`` as given ("auto", "lean") or as a float (a number of GiB > 0)."""
+    if isinstance(max_workspace_gib, str) and max_workspace_gib in ("auto", "lean"):
+        return max_workspace_gib
     if isinstance(max_workspace_gib, bool) or not isinstance(max_workspace_gib, (int, float)) \
             or not max_workspace_gib > 0:
-        raise ValueError(f"max_workspace_gib: expected None or a number > 0, got {max_workspace_gib!r}")
-    return int(float(max_workspace_gib) * 2**30)
+        raise ValueError(f"max_workspace_gib: expected 'auto', 'lean' or a number of GiB > 0, got "
+                         f"{max_workspace_gib!r}")
+    return float(max_workspace_gib)
+
+
+def _bounded_bytes(max_workspace_gib, n_tok: int, V: int, dtype: str):
+    """The bounded path's bound in bytes, or None for the lean path (module docstring). A number that
+    holds no token's logits raises the same error on every backend, also where the bound goes unused."""
+    bound = check_workspace_bound(max_workspace_gib)
+    if bound == "lean":
+        return None
+    nbytes = int((DEFAULT_MAX_WORKSPACE_GIB if bound == "auto" else bound) * 2**30)
+    per_token = 32 * max(n_tok, 1)  # the bound also holds the per-token buffers (loss, stats, flags)
+    if bound == "auto":
+        return nbytes if kernels.bounded_tokens(V, dtype, nbytes - per_token) >= 1 else None
+    kernels.bounded_plan(n_tok, V, dtype, nbytes - per_token)
+    return nbytes
 
 
 def _check_flag(name, value):
@@ -443,11 +472,12 @@ def _warn_once(message: str) -> None:
 def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, reduction="mean",
                          label_smoothing=0.0, z_loss=0.0, softcap=None, shift=False, transpose_y=None,
                          return_lse=False, tp_group=None, backend="auto", *, sequence_parallel=False,
-                         max_workspace_gib=None, filter_eps=None, filter_e_grad=True, filter_c_grad=True,
+                         max_workspace_gib="auto", filter_eps=None, filter_e_grad=True, filter_c_grad=True,
                          accum_c_fp32=False, vocab_chunk=None, deterministic=None):
     """Cross-entropy of ``logits = hidden @ weight^T (+ bias)`` without holding the logits.
 
-    hidden ``[..., D]`` (float32/float16/bfloat16); weight ``[V, D]`` with ``transpose_y=True`` (tied
+    hidden ``[..., D]`` (float32/float16/bfloat16; a float32 weight and bias follow a 16-bit hidden, and
+    auto_cast casts as for matmul: module docstring); weight ``[V, D]`` with ``transpose_y=True`` (tied
     embedding, GPT) or ``[D, V]`` with ``transpose_y=False`` (PaddleNLP LLaMA LM head); ``None`` (the
     default) reads the layout off the weight's shape and requires the argument when the weight is
     square. labels ``[...]`` int. ``shift`` (True or n) predicts token t+n from position t (the last n
@@ -458,29 +488,31 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
     model-parallel group, or None): vocabulary parallel, each rank holding ``V/n`` rows;
     ``sequence_parallel``: hidden and labels are this rank's sequence chunk and are all-gathered.
 
-    ``max_workspace_gib``: None (default) takes the lean path on the ``cuda`` backend (about 0.1 GiB of
-    workspace); a bound takes the bounded path (gradients in the forward pass, logits blocks within the
-    bound, faster), where the call allows it (module docstring). ``filter_eps`` (None = exact, ``"auto"``
-    = the input dtype's epsilon / 32, or a float): approximate; the Triton backward skips gradient tiles
-    whose entries are all below it, in the hidden's (``filter_e_grad``) and the weight's
-    (``filter_c_grad``) gradient GEMMs; a call with a filter runs on the ``triton`` backend.
+    ``max_workspace_gib`` (the ``cuda`` backend's paths, module docstring): ``"auto"`` (default) the
+    bounded path (gradients in the forward pass, logits blocks within ``DEFAULT_MAX_WORKSPACE_GIB`` =
+    1 GiB, the faster path) where the call allows it and the bound holds a token's logits, else the
+    lean path; a number of GiB: the bounded path within that bound (ValueError where it holds no
+    token's logits); ``"lean"``: the lean path (about 0.1 GiB of workspace, logits recomputed).
+    ``filter_eps`` (None = exact, ``"auto"`` = the input dtype's epsilon / 32, or a float): approximate;
+    the Triton backward skips gradient tiles whose entries are all below it, in the hidden's
+    (``filter_e_grad``) and the weight's (``filter_c_grad``) gradient GEMMs; a call with a filter runs
+    on the ``triton`` backend.
     ``accum_c_fp32``: the cuda paths accumulate dW over token blocks in an fp32 buffer of the weight's
     size (else in the weight's dtype). ``vocab_chunk``: vocabulary rows per chunk (triton backward,
     cuda lean path). ``deterministic``: None follows ``FLAGS_cudnn_deterministic``; True sums the
     bias gradient in a fixed order (the others accumulate in a fixed order already).
     """
+    hidden, (weight, bias) = amp_cast(hidden, [weight, bias])
     V, steps, transpose_y = _check_args(hidden, weight, labels, bias, reduction, label_smoothing, z_loss, softcap,
                                         shift, transpose_y)
-    workspace_bytes = _workspace_bytes(max_workspace_gib)
+    n_tok = 1
+    for size in hidden.shape[:-1]:
+        n_tok *= size
+    workspace_bytes = _bounded_bytes(max_workspace_gib, n_tok, V, T.dtype_name(hidden))
     filter_e_grad, filter_c_grad = _check_flag("filter_e_grad", filter_e_grad), _check_flag("filter_c_grad",
                                                                                             filter_c_grad)
     accum_c_fp32 = _check_flag("accum_c_fp32", accum_c_fp32)
     deterministic = deterministic_requested(deterministic)
-    if workspace_bytes is not None:  # the same error on every backend, also where the bound goes unused
-        n_tok = 1
-        for size in hidden.shape[:-1]:
-            n_tok *= size
-        kernels.bounded_plan(n_tok, V, T.dtype_name(hidden), workspace_bytes - 32 * max(n_tok, 1))
     pg = vocab_parallel.resolve_group(tp_group)
     if sequence_parallel and steps and pg is not None:
         raise ValueError("shift: not supported with sequence_parallel (shift the labels before scattering them)")
@@ -504,12 +536,13 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
         wants_grad = paddle.is_grad_enabled() and any(_needs(hidden2d, weight, bias))
         if reduction != "none" and not return_lse and wants_grad:
             return BoundedLinearCrossEntropyFunction.apply(hidden2d, weight, bias, labels1d, opts, reduction)
-        _warn_once("paddlenlp_fused.linear_cross_entropy: max_workspace_gib is ignored (lean path) for "
-                   "reduction='none', return_lse=True or a call without gradients")
+        if max_workspace_gib != "auto":  # a bound asked for by number: say it went unused
+            _warn_once("paddlenlp_fused.linear_cross_entropy: max_workspace_gib is ignored (lean path) for "
+                       "reduction='none', return_lse=True or a call without gradients")
     if chosen == "reference" and pg is None and hidden2d.shape[0] and ref.fits_one_block(hidden2d.shape[0], V):
         loss_tok, lse = ref.loss_and_lse_ref(hidden2d, weight, labels1d, bias, transpose_y=transpose_y,
                                              ignore_index=opts.ignore_index, label_smoothing=opts.label_smoothing,
-                                             z_loss=opts.z_loss, softcap=opts.softcap, need_lse=return_lse)
+                                             z_loss=opts.z_loss, softcap=opts.softcap)
     else:
         loss_tok, lse = LinearCrossEntropyFunction.apply(hidden2d, weight, bias, labels1d, opts)
     if reduction == "mean":
