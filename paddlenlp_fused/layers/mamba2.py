@@ -57,6 +57,7 @@ from ..ops.causal_conv1d import causal_conv1d_update
 from ..ops.mamba2 import IMPLEMENTED, mamba2_state_update, mamba_split_conv1d_scan_combined
 from ..ops.ssd import cu_seqlens_to_seq_idx
 from ..runtime.backend import BACKENDS, BackendUnavailableError
+from . import _args
 from .mamba import mark_sharded, take_shards
 from .norm import GatedRMSNorm
 from .tensor_parallel import _check_divisible, _model_parallel, _sharded_init
@@ -95,6 +96,17 @@ class Mamba2Block(nn.Layer):
                  conv_bias: bool = True, norm_before_gate: bool = False, layer_idx=None, backend: str = "auto",
                  process_group=None, sequence_parallel: bool = False, checkpoint_lvl: int = 1):
         super().__init__()
+        for name, size in (("d_model", d_model), ("d_state", d_state), ("d_conv", d_conv), ("expand", expand),
+                           ("headdim", headdim), ("ngroups", ngroups), ("chunk_size", chunk_size)):
+            _args.positive_int(name, size)
+        low_dt = _args.real("dt_min", dt_min, low=0.0, low_open=True)
+        _args.real("dt_max", dt_max, low=low_dt)
+        _args.real("dt_init_floor", dt_init_floor, low=0.0)
+        if not isinstance(dt_limit, (tuple, list)) or len(dt_limit) != 2 or isinstance(dt_limit[0], bool) \
+                or not all(isinstance(v, (int, float)) for v in dt_limit) or not 0.0 <= dt_limit[0] <= dt_limit[1]:
+            raise ValueError(f"dt_limit: expected (low, high) with 0 <= low <= high, got {dt_limit!r}")
+        if layer_idx is not None:
+            _args.nonnegative_int("layer_idx", layer_idx)
         d_inner = expand * d_model
         if d_inner % headdim:
             raise ValueError(f"headdim: expected a divisor of expand * d_model = {d_inner}, got {headdim}")
@@ -244,7 +256,10 @@ class Mamba2Block(nn.Layer):
     def _no_decay_param(self, values):
         param = self.create_parameter([len(values)], dtype="float32",
                                       default_initializer=nn.initializer.Assign(values.astype(np.float32)))
-        param.no_weight_decay = True  # mamba_ssm's _no_weight_decay: excluded by decay filters that read it
+        # excluded from weight decay by filters that read mamba_ssm's mark (as MambaMixer's A_log, D), and
+        # by ours that read the older no_weight_decay (examples/train_mamba2.py)
+        param._no_weight_decay = True
+        param.no_weight_decay = True
         return param
 
     def _A(self):
