@@ -51,9 +51,17 @@ from paddle import nn
 
 from ..distributed import comm
 from ..ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from ..ops._pylayer import add, mm
 from ..ops.mamba import mamba_inner_fn, selective_scan_fn, selective_state_update
 from . import _args
 from .tensor_parallel import _check_divisible, _model_parallel, _sharded_init
+
+
+def linear(x, weight, bias=None):
+    """x @ weight (+ bias), as nn.Linear; in float32 on the CPU for half-precision tensors, which
+    Paddle's CPU matmul does not take."""
+    out = mm(x, weight)
+    return out if bias is None else add(out, bias)
 
 
 class MambaInferenceCache:
@@ -216,7 +224,7 @@ class MambaMixer(nn.Layer):
         cache = cache_params if cache_params is not None else cache
         if self.pg is not None:
             hidden_states = comm.copy_to_parallel(hidden_states, self.pg)
-        xz = self.in_proj(hidden_states).transpose([0, 2, 1])  # [batch, 2 * inner, seqlen]
+        xz = linear(hidden_states, self.in_proj.weight, self.in_proj.bias).transpose([0, 2, 1])  # [batch, 2 * inner, seqlen]
         if cache is None and self.pg is None:
             return mamba_inner_fn(xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
                                   self.out_proj.weight, self.out_proj.bias, self._A(), None, None,
@@ -235,20 +243,20 @@ class MambaMixer(nn.Layer):
             y = self._sequence(x, z, cache)
         y = y.transpose([0, 2, 1])
         if self.pg is None:
-            return self.out_proj(y)
-        out = comm.reduce_from_parallel(paddle.matmul(y, self.out_proj.weight), self.pg)
-        return out + self.out_proj.bias if self.out_proj.bias is not None else out
+            return linear(y, self.out_proj.weight, self.out_proj.bias)
+        out = comm.reduce_from_parallel(mm(y, self.out_proj.weight), self.pg)
+        return add(out, self.out_proj.bias) if self.out_proj.bias is not None else out
 
     def _ssm_inputs(self, x_tokens):
         """x_tokens [..., inner] -> dt [..., inner] (before bias and softplus), B, C [..., state].
         Under model parallelism x_proj's partial products are summed over the ranks (forward), and
         so are the gradients of dt_low, B, C (backward)."""
-        x_dbl = self.x_proj(x_tokens)
+        x_dbl = mm(x_tokens, self.x_proj.weight)
         if self.pg is not None:
             x_dbl = comm.copy_to_parallel(comm.reduce_from_parallel(x_dbl, self.pg), self.pg)
         rank, state = self.time_step_rank, self.ssm_state_size
         dt, B, C = paddle.split(x_dbl, [rank, state, state], axis=-1)
-        return paddle.matmul(dt, self.dt_proj.weight), B, C
+        return mm(dt, self.dt_proj.weight), B, C
 
     def _sequence(self, x, z, cache=None):
         """Conv, projections and scan over the whole sequence; x, z [batch, inner, seqlen]. With a
