@@ -11,6 +11,7 @@ path is ``paddlenlp_fused.ops.linear_cross_entropy.linear_cross_entropy``.
 from __future__ import annotations
 
 import contextlib
+import numbers
 
 import paddle
 import paddle.nn as nn
@@ -33,7 +34,7 @@ def _sharded_rng():
 def _check_loss_options(*, ignore_index, reduction, label_smoothing, z_loss, softcap, shift, filter_eps,
                         max_workspace_gib, backend) -> None:
     """The loss options the op checks per call (some only against the input), checked at construction."""
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"ignore_index: expected an int, got {ignore_index!r}")
     _args.choice("reduction", reduction, REDUCTIONS)
     _args.real("label_smoothing", label_smoothing, low=0.0, high=1.0)

@@ -224,7 +224,8 @@ class MambaMixer(nn.Layer):
         cache = cache_params if cache_params is not None else cache
         if self.pg is not None:
             hidden_states = comm.copy_to_parallel(hidden_states, self.pg)
-        xz = linear(hidden_states, self.in_proj.weight, self.in_proj.bias).transpose([0, 2, 1])  # [batch, 2 * inner, seqlen]
+        # [batch, 2 * inner, seqlen]
+        xz = linear(hidden_states, self.in_proj.weight, self.in_proj.bias).transpose([0, 2, 1])
         if cache is None and self.pg is None:
             return mamba_inner_fn(xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
                                   self.out_proj.weight, self.out_proj.bias, self._A(), None, None,

@@ -178,13 +178,13 @@ def _check_inputs(q, k, labels, scale, symmetric, reduction, precision):
         if scale.size != 1 or scale.dtype not in (paddle.float32, paddle.float64, paddle.float16, paddle.bfloat16):
             raise TypeError(f"scale: expected a float or a float scalar tensor, got shape {list(scale.shape)} "
                             f"dtype {scale.dtype}")
-        finite = bool(paddle.isfinite(scale.detach()).all())  # (a sync; the Triton path reads the value anyway)
+        value = float(scale.detach().astype("float32").item())  # (a sync; the Triton path reads it anyway)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale: expected a float or a Paddle scalar tensor, got {type(scale).__name__}")
     else:
-        finite = math.isfinite(scale)
-    if not finite:  # NaN or inf would make every loss and gradient NaN without a word
-        raise ValueError(f"scale: expected a finite value, got {scale.item() if isinstance(scale, paddle.Tensor) else scale}")
+        value = float(scale)
+    if not math.isfinite(value):  # NaN or inf would make every loss and gradient NaN without a word
+        raise ValueError(f"scale: expected a finite value, got {value}")
     if labels is not None:
         if not isinstance(labels, paddle.Tensor):
             raise TypeError(f"labels: expected a paddle.Tensor or None, got {type(labels).__name__}")
