@@ -42,8 +42,9 @@ With ``sequence_parallel=True`` the block's input and output are this rank's sli
 in sequence-first layout ``[seqlen / world, batch, d_model]`` (PaddleNLP's sequence-parallel axis 0);
 the input is all-gathered along the sequence before ``in_proj`` (``seq_idx`` / ``cu_seqlens`` then
 describe the whole gathered sequence). Without it they are the replicated ``[batch, seqlen, d_model]``.
-``set_dense_state_dict`` loads a dense block's weights into the shards (and the ``_bc`` parameters). Decoding (``inference_params``
-/ ``step``) works under model parallelism on this rank's heads, not with sequence parallel.
+``set_dense_state_dict`` loads a dense block's weights into the shards (and the ``_bc`` parameters).
+Decoding (``inference_params`` / ``step``) works under model parallelism on this rank's heads, not
+with sequence parallel.
 ``checkpoint_lvl`` goes to ``mamba_split_conv1d_scan_combined``.
 """
 
