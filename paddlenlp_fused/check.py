@@ -95,6 +95,8 @@ def report(device: Optional[str] = None) -> str:
     default = backend.default_backend()
     chosen = "automatic choice" if default == "auto" else f"{default!r} (use_backend / ${backend.ENV_VAR})"
     lines.append(f"Backends for {device.upper()} tensors (backend='auto' means {chosen}):")
+    if not any(status.available for status in statuses.values()):
+        lines.append(f"  none runs here: {next(iter(statuses.values())).reason}")
     for name, status in statuses.items():
         lines.append(f"  {name:9} {'yes' if status.available else 'no '}  {status.reason}")
     lines.append("Ops (a backend that can run may still decline a particular shape or dtype; auto then "
@@ -102,7 +104,8 @@ def report(device: Optional[str] = None) -> str:
     width = max(map(len, OP_BACKENDS))
     for op, implemented in OP_BACKENDS.items():
         runnable = [b for b in implemented if statuses[b].available]
-        lines.append(f"  {op:{width}}  has {', '.join(sorted(implemented)):24}  runs here: {', '.join(sorted(runnable))}")
+        lines.append(f"  {op:{width}}  has {', '.join(sorted(implemented)):24}  "
+                     f"runs here: {', '.join(sorted(runnable)) or 'none'}")
     return "\n".join(lines)
 
 

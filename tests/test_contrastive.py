@@ -326,8 +326,8 @@ def test_bad_input_raises_clear_errors():
         flash_contrastive_loss(q, k, scale="20")
     with pytest.raises(TypeError, match="scale: expected a float or a float scalar tensor"):
         flash_contrastive_loss(q, k, scale=paddle.ones([2]))
-    with pytest.raises(ValueError, match="q, k: expected at least one row"):
-        flash_contrastive_loss(randn((0, 8)), k)
+    with pytest.raises(ValueError, match="k: expected at least one row"):
+        flash_contrastive_loss(q, randn((0, 8)))
     with pytest.raises(ValueError, match="backend"):
         flash_contrastive_loss(q, k, backend="cudnn")
     with pytest.raises(ValueError, match="max_scale"):

@@ -47,6 +47,27 @@ def _check_shards(name, mp_layer, dense_grads):
         assert_close(f"{name} d{pname}", p.grad.numpy(), expected[pname], "float32")
 
 
+def _check_fleet_grad_norm(name, mp_layer, dense_grads):
+    """The gradient norm as fleet's HybridParallelClipGrad takes it (squares of parameters marked
+    is_distributed summed over the model-parallel ranks, the others counted once) is the dense one's,
+    per dense parameter (``x_bc`` counts towards ``x``): no replicated value may sit inside a parameter
+    marked is_distributed."""
+    import paddle.distributed as dist
+
+    names = sorted(dense_grads)
+    sharded, replicated = np.zeros(len(names)), np.zeros(len(names))
+    for pname, p in mp_layer.named_parameters():
+        square = float((p.grad.astype("float64") ** 2).sum())
+        index = names.index(pname[:-len("_bc")] if pname.endswith("_bc") else pname)
+        (sharded if p.is_distributed else replicated)[index] += square
+    total = paddle.to_tensor(sharded)
+    dist.all_reduce(total, group=mp_layer.pg.group, sync_op=True)
+    for i, dense_name in enumerate(names):
+        dense = float((np.asarray(dense_grads[dense_name], np.float64) ** 2).sum())
+        assert_close(f"{name} fleet grad norm of {dense_name}", np.sqrt(total.numpy()[i] + replicated[i]),
+                     np.sqrt(dense), "float32")
+
+
 def _mamba2_body():
     from paddlenlp_fused.layers.mamba2 import Mamba2Block, Mamba2InferenceParams
     from paddlenlp_fused.layers.tensor_parallel import allreduce_sequence_parallel_grads
@@ -87,6 +108,7 @@ def _mamba2_body():
             assert_close(f"{name} out", mp_out, ref_out, "float32")
             assert_close(f"{name} du", mp_du, ref_du, "float32")
         _check_shards(name, mp, ref_grads)
+        _check_fleet_grad_norm(name, mp, ref_grads)
         if cfg["sequence_parallel"]:
             continue
         with paddle.no_grad():  # prefill 6 tokens, then 4 decoding steps, on this rank's heads

@@ -10,6 +10,7 @@ import paddle
 import paddle.nn as nn
 
 from ..ops.contrastive import PRECISIONS, REDUCTIONS, flash_contrastive_loss
+from . import _args
 
 
 class FlashContrastiveLoss(nn.Layer):
@@ -26,10 +27,11 @@ class FlashContrastiveLoss(nn.Layer):
                  max_scale: float = 100.0, reduction: str = "mean", group=None, backend: str = "auto",
                  precision: str = "auto"):
         super().__init__()
-        if not init_scale > 0:
-            raise ValueError(f"init_scale: expected a positive scale, got {init_scale}")
+        _args.real("init_scale", init_scale, low=0.0, low_open=True)
+        _args.real("max_scale", max_scale, optional=True)
         if max_scale is not None and not max_scale >= init_scale:
             raise ValueError(f"max_scale: expected >= init_scale ({init_scale}), got {max_scale}")
+        _args.backend(backend)
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
         if precision not in PRECISIONS:

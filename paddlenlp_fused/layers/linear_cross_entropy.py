@@ -11,11 +11,14 @@ path is ``paddlenlp_fused.ops.linear_cross_entropy``.
 from __future__ import annotations
 
 import contextlib
+import numbers
 
+import paddle
 import paddle.nn as nn
 
 from ..distributed import comm
 from ..ops.cross_entropy import REDUCTIONS, check_workspace_bound, linear_cross_entropy
+from . import _args
 
 
 def _sharded_rng():
@@ -26,6 +29,27 @@ def _sharded_rng():
         return contextlib.nullcontext()
     tracker = get_rng_state_tracker()
     return tracker.rng_state() if "model_parallel_rng" in tracker.states_ else contextlib.nullcontext()
+
+
+def _check_loss_options(*, ignore_index, reduction, label_smoothing, z_loss, softcap, shift, filter_eps,
+                        max_workspace_gib, backend) -> None:
+    """The loss options the op checks per call (some only against the input), checked at construction."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index: expected an int, got {ignore_index!r}")
+    _args.choice("reduction", reduction, REDUCTIONS)
+    _args.real("label_smoothing", label_smoothing, low=0.0, high=1.0)
+    if label_smoothing == 1.0:
+        raise ValueError(f"label_smoothing: expected a value in [0, 1), got {label_smoothing}")
+    _args.real("z_loss", z_loss, low=0.0)
+    _args.real("softcap", softcap, low=0.0, low_open=True, optional=True)
+    if not isinstance(shift, bool):
+        _args.nonnegative_int("shift", shift)
+    if filter_eps is not None and filter_eps != "auto":
+        if isinstance(filter_eps, str):
+            raise ValueError(f"filter_eps: expected None (exact), 'auto' or a float > 0, got {filter_eps!r}")
+        _args.real("filter_eps", filter_eps, low=0.0, low_open=True)
+    check_workspace_bound(max_workspace_gib)
+    _args.backend(backend)
 
 
 class LinearCrossEntropy(nn.Layer):
@@ -47,9 +71,14 @@ class LinearCrossEntropy(nn.Layer):
                  sequence_parallel: bool = False, weight=None, weight_attr=None, bias_attr=None,
                  filter_eps=None, backend: str = "auto", max_workspace_gib="auto"):
         super().__init__()
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
-        check_workspace_bound(max_workspace_gib)
+        hidden_size = _args.positive_int("hidden_size", hidden_size)
+        vocab_size = _args.positive_int("vocab_size", vocab_size)
+        _check_loss_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                            z_loss=z_loss, softcap=softcap, shift=shift, filter_eps=filter_eps,
+                            max_workspace_gib=max_workspace_gib, backend=backend)
+        if tensor_parallel_output is not None:
+            _args.flag("tensor_parallel_output", tensor_parallel_output)
+        _args.flag("has_bias", has_bias)
         group = comm.model_parallel_group()
         if tensor_parallel_output is None:
             tensor_parallel_output = group is not None
@@ -102,6 +131,8 @@ class LinearCrossEntropy(nn.Layer):
             param.split_axis = axis
 
     def forward(self, hidden, labels, return_lse: bool = False):
+        if isinstance(hidden, paddle.Tensor) and (hidden.ndim < 1 or hidden.shape[-1] != self.hidden_size):
+            raise ValueError(f"hidden: expected [..., hidden_size={self.hidden_size}], got shape {list(hidden.shape)}")
         return linear_cross_entropy(hidden, self.weight, labels, bias=self.bias, transpose_y=self.transpose_y,
                                     return_lse=return_lse, tp_group=self.tp_group,
                                     sequence_parallel=self.sequence_parallel, **self.options)

@@ -51,8 +51,17 @@ from paddle import nn
 
 from ..distributed import comm
 from ..ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from ..ops._pylayer import add, mm
 from ..ops.mamba import mamba_inner_fn, selective_scan_fn, selective_state_update
+from . import _args
 from .tensor_parallel import _check_divisible, _model_parallel, _sharded_init
+
+
+def linear(x, weight, bias=None):
+    """x @ weight (+ bias), as nn.Linear; in float32 on the CPU for half-precision tensors, which
+    Paddle's CPU matmul does not take."""
+    out = mm(x, weight)
+    return out if bias is None else add(out, bias)
 
 
 class MambaInferenceCache:
@@ -107,23 +116,39 @@ class MambaMixer(nn.Layer):
                  dt_init_floor=1e-4, dt_scale=1.0, dt_init="random", checkpoint_lvl: int = 1, backend: str = "auto",
                  process_group=None):
         super().__init__()
-        self.pg = pg = _model_parallel(process_group)
-        hidden = _config_value(config, "hidden_size", d_model)
-        if hidden is None:
+
+        def setting(check, attribute, keyword, value, *options, **bounds):
+            """The config's ``attribute`` when the config has it, else the keyword's value, checked by
+            ``check``: an error names where the value came from."""
+            if config is not None and hasattr(config, attribute):
+                return check(f"config.{attribute}", getattr(config, attribute), *options, **bounds)
+            return check(keyword, value, *options, **bounds)
+
+        if d_model is None and not hasattr(config, "hidden_size"):
             raise ValueError("d_model: expected the hidden size (or a config with hidden_size), got None")
-        self.hidden_size = int(hidden)
-        self.ssm_state_size = int(_config_value(config, "state_size", d_state))
-        self.conv_kernel_size = int(_config_value(config, "conv_kernel", d_conv))
-        self.intermediate_size = int(_config_value(config, "intermediate_size", int(expand * self.hidden_size)))
+        self.hidden_size = setting(_args.positive_int, "hidden_size", "d_model", d_model)
+        self.ssm_state_size = setting(_args.positive_int, "state_size", "d_state", d_state)
+        self.conv_kernel_size = setting(_args.positive_int, "conv_kernel", "d_conv", d_conv)
+        expand = _args.real("expand", expand, low=0.0, low_open=True)
+        self.intermediate_size = setting(_args.positive_int, "intermediate_size", "expand * d_model",
+                                         int(expand * self.hidden_size))
         rank = _config_value(config, "time_step_rank", dt_rank)
-        self.time_step_rank = math.ceil(self.hidden_size / 16) if rank == "auto" else int(rank)
+        self.time_step_rank = math.ceil(self.hidden_size / 16) if rank == "auto" else \
+            setting(_args.positive_int, "time_step_rank", "dt_rank", dt_rank)
         self.use_bias = bool(_config_value(config, "use_bias", use_bias))
         self.use_conv_bias = bool(_config_value(config, "use_conv_bias", use_conv_bias))
         self.activation = _config_value(config, "hidden_act", hidden_act)
         if self.activation not in ("silu", "swish"):
             raise ValueError(f"hidden_act: the fused Mamba mixer supports 'silu', got {self.activation!r}")
-        self.layer_idx = layer_idx
-        self.checkpoint_lvl, self.backend = checkpoint_lvl, backend
+        low_dt = setting(_args.real, "time_step_min", "dt_min", dt_min, low=0.0, low_open=True)
+        setting(_args.real, "time_step_max", "dt_max", dt_max, low=low_dt)
+        setting(_args.real, "time_step_floor", "dt_init_floor", dt_init_floor, low=0.0)
+        setting(_args.real, "time_step_scale", "dt_scale", dt_scale, low=0.0, low_open=True)
+        setting(_args.choice, "time_step_init_scheme", "dt_init", dt_init, ("random", "constant"))
+        self.layer_idx = _args.nonnegative_int("layer_idx", layer_idx)
+        self.checkpoint_lvl = _args.checkpoint_level(checkpoint_lvl, (0, 1))
+        self.backend = _args.backend(backend)
+        self.pg = pg = _model_parallel(process_group)
         self.inner_local = _check_divisible("intermediate_size", self.intermediate_size, pg)
         inner, state, rank = self.inner_local, self.ssm_state_size, self.time_step_rank
 
@@ -199,7 +224,8 @@ class MambaMixer(nn.Layer):
         cache = cache_params if cache_params is not None else cache
         if self.pg is not None:
             hidden_states = comm.copy_to_parallel(hidden_states, self.pg)
-        xz = self.in_proj(hidden_states).transpose([0, 2, 1])  # [batch, 2 * inner, seqlen]
+        # [batch, 2 * inner, seqlen]
+        xz = linear(hidden_states, self.in_proj.weight, self.in_proj.bias).transpose([0, 2, 1])
         if cache is None and self.pg is None:
             return mamba_inner_fn(xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
                                   self.out_proj.weight, self.out_proj.bias, self._A(), None, None,
@@ -218,20 +244,20 @@ class MambaMixer(nn.Layer):
             y = self._sequence(x, z, cache)
         y = y.transpose([0, 2, 1])
         if self.pg is None:
-            return self.out_proj(y)
-        out = comm.reduce_from_parallel(paddle.matmul(y, self.out_proj.weight), self.pg)
-        return out + self.out_proj.bias if self.out_proj.bias is not None else out
+            return linear(y, self.out_proj.weight, self.out_proj.bias)
+        out = comm.reduce_from_parallel(mm(y, self.out_proj.weight), self.pg)
+        return add(out, self.out_proj.bias) if self.out_proj.bias is not None else out
 
     def _ssm_inputs(self, x_tokens):
         """x_tokens [..., inner] -> dt [..., inner] (before bias and softplus), B, C [..., state].
         Under model parallelism x_proj's partial products are summed over the ranks (forward), and
         so are the gradients of dt_low, B, C (backward)."""
-        x_dbl = self.x_proj(x_tokens)
+        x_dbl = mm(x_tokens, self.x_proj.weight)
         if self.pg is not None:
             x_dbl = comm.copy_to_parallel(comm.reduce_from_parallel(x_dbl, self.pg), self.pg)
         rank, state = self.time_step_rank, self.ssm_state_size
         dt, B, C = paddle.split(x_dbl, [rank, state, state], axis=-1)
-        return paddle.matmul(dt, self.dt_proj.weight), B, C
+        return mm(dt, self.dt_proj.weight), B, C
 
     def _sequence(self, x, z, cache=None):
         """Conv, projections and scan over the whole sequence; x, z [batch, inner, seqlen]. With a

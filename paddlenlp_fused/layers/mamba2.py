@@ -22,10 +22,14 @@ layers mark theirs:
 
 * ``in_proj`` column-parallel, ``split_axis`` 1, each segment split on its own: the local weight is
   ``[z_r | x_r | B_r | C_r | dt_r]``. B and C are sharded by groups when ``ngroups`` divides by the
-  world size; with ``ngroups == 1`` they are replicated (the same columns on every rank, their
-  gradients all-reduced, since each rank's heads contribute a part); other group counts raise.
-* ``conv1d`` (``[x_r | B_r | C_r]`` channels), ``dt_bias``, ``A_log``, ``D``, ``norm.weight``:
-  ``split_axis`` 0, sharded with their heads (conv channels of replicated B/C replicated, as above).
+  world size; with ``ngroups == 1`` they are replicated, and then held apart: ``in_proj.weight`` is
+  ``[z_r | x_r | dt_r]`` and the B/C columns are ``in_proj.weight_bc`` (``in_proj.bias_bc``), not
+  marked ``is_distributed``, the same on every rank, their gradients all-reduced (each rank's heads
+  contribute a part), so fleet's global-norm clip counts them once, as it counts every parameter
+  marked ``is_distributed`` as all shards; other group counts raise.
+* ``conv1d`` (``[x_r | B_r | C_r]`` channels; with replicated B/C, ``[x_r]`` and the replicated
+  ``conv1d.weight_bc`` / ``conv1d.bias_bc``), ``dt_bias``, ``A_log``, ``D``, ``norm.weight``:
+  ``split_axis`` 0, sharded with their heads.
 * the gated norm per shard when its groups (``d_inner / ngroups`` columns) lie inside a shard;
   with ``ngroups == 1`` the mean square is all-reduced over the ranks (``norm_before_gate=False``,
   ``mamba_ssm``'s default; ``True`` raises), so the block equals the dense one either way.
@@ -38,8 +42,9 @@ With ``sequence_parallel=True`` the block's input and output are this rank's sli
 in sequence-first layout ``[seqlen / world, batch, d_model]`` (PaddleNLP's sequence-parallel axis 0);
 the input is all-gathered along the sequence before ``in_proj`` (``seq_idx`` / ``cu_seqlens`` then
 describe the whole gathered sequence). Without it they are the replicated ``[batch, seqlen, d_model]``.
-``set_dense_state_dict`` loads a dense block's weights into the shards. Decoding (``inference_params``
-/ ``step``) works under model parallelism on this rank's heads, not with sequence parallel.
+``set_dense_state_dict`` loads a dense block's weights into the shards (and the ``_bc`` parameters).
+Decoding (``inference_params`` / ``step``) works under model parallelism on this rank's heads, not
+with sequence parallel.
 ``checkpoint_lvl`` goes to ``mamba_split_conv1d_scan_combined``.
 """
 
@@ -54,10 +59,12 @@ from paddle import nn
 
 from ..distributed import comm
 from ..ops.causal_conv1d import causal_conv1d_update
+from ..ops._pylayer import add, mm
 from ..ops.mamba2 import IMPLEMENTED, mamba2_state_update, mamba_split_conv1d_scan_combined
 from ..ops.ssd import cu_seqlens_to_seq_idx
 from ..runtime.backend import BACKENDS, BackendUnavailableError
-from .mamba import mark_sharded, take_shards
+from . import _args
+from .mamba import linear, mark_sharded, take_shards
 from .norm import GatedRMSNorm
 from .tensor_parallel import _check_divisible, _model_parallel, _sharded_init
 
@@ -95,6 +102,17 @@ class Mamba2Block(nn.Layer):
                  conv_bias: bool = True, norm_before_gate: bool = False, layer_idx=None, backend: str = "auto",
                  process_group=None, sequence_parallel: bool = False, checkpoint_lvl: int = 1):
         super().__init__()
+        for name, size in (("d_model", d_model), ("d_state", d_state), ("d_conv", d_conv), ("expand", expand),
+                           ("headdim", headdim), ("ngroups", ngroups), ("chunk_size", chunk_size)):
+            _args.positive_int(name, size)
+        low_dt = _args.real("dt_min", dt_min, low=0.0, low_open=True)
+        _args.real("dt_max", dt_max, low=low_dt)
+        _args.real("dt_init_floor", dt_init_floor, low=0.0)
+        if not isinstance(dt_limit, (tuple, list)) or len(dt_limit) != 2 or isinstance(dt_limit[0], bool) \
+                or not all(isinstance(v, (int, float)) for v in dt_limit) or not 0.0 <= dt_limit[0] <= dt_limit[1]:
+            raise ValueError(f"dt_limit: expected (low, high) with 0 <= low <= high, got {dt_limit!r}")
+        if layer_idx is not None:
+            _args.nonnegative_int("layer_idx", layer_idx)
         d_inner = expand * d_model
         if d_inner % headdim:
             raise ValueError(f"headdim: expected a divisor of expand * d_model = {d_inner}, got {headdim}")
@@ -133,17 +151,32 @@ class Mamba2Block(nn.Layer):
             raise NotImplementedError("Mamba2Block: norm_before_gate=True with ngroups=1 under model parallelism "
                                       "(a norm group spanning the ranks) is not implemented; use "
                                       "norm_before_gate=False or ngroups divisible by the world size")
-        self.conv_dim = self.d_inner_local + 2 * self.ngroups_local * d_state
-        d_in_proj = 2 * self.d_inner_local + 2 * self.ngroups_local * d_state + self.nheads_local
+        bc_width = 2 * self.ngroups_local * d_state
+        self.conv_dim = self.d_inner_local + bc_width
+        # replicated B/C live in parameters of their own (below), so every is_distributed one is all shards
+        own_bc = 0 if self.bc_replicated else bc_width
+        d_in_proj = 2 * self.d_inner_local + own_bc + self.nheads_local
 
         with _sharded_init(pg):
             self.in_proj = nn.Linear(d_model, d_in_proj, weight_attr=_torch_default_uniform(d_model),
                                      bias_attr=_torch_default_uniform(d_model) if bias else False)
-            self.conv1d = nn.Conv1D(self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim, padding=d_conv - 1,
+            conv_channels = self.d_inner_local + own_bc
+            self.conv1d = nn.Conv1D(conv_channels, conv_channels, d_conv, groups=conv_channels, padding=d_conv - 1,
                                     weight_attr=_torch_default_uniform(d_conv),
                                     bias_attr=_torch_default_uniform(d_conv) if conv_bias else False)
             self.out_proj = nn.Linear(self.d_inner_local, d_model, weight_attr=_torch_default_uniform(d_inner),
                                       bias_attr=False)
+        if self.bc_replicated:  # drawn outside the model-parallel RNG, made the source rank's below
+            self.in_proj.weight_bc = self.in_proj.create_parameter(
+                [d_model, bc_width], attr=_torch_default_uniform(d_model), dtype=self.in_proj.weight.dtype)
+            self.in_proj.bias_bc = self.in_proj.create_parameter(
+                [bc_width], attr=_torch_default_uniform(d_model), dtype=self.in_proj.weight.dtype,
+                is_bias=True) if bias else None
+            self.conv1d.weight_bc = self.conv1d.create_parameter(
+                [bc_width, 1, d_conv], attr=_torch_default_uniform(d_conv), dtype=self.conv1d.weight.dtype)
+            self.conv1d.bias_bc = self.conv1d.create_parameter(
+                [bc_width], attr=_torch_default_uniform(d_conv), dtype=self.conv1d.weight.dtype,
+                is_bias=True) if conv_bias else None
         # the replicated out_proj bias: drawn outside the model-parallel RNG, made the source rank's below
         if bias:
             self.out_proj.bias = self.out_proj.create_parameter(
@@ -170,51 +203,43 @@ class Mamba2Block(nn.Layer):
                 with paddle.no_grad():
                     comm.broadcast_from_src(self.out_proj.bias, pg)
                 self.out_proj.bias.sequence_parallel = sequence_parallel
-            if self.bc_replicated:
-                self._sync_replicated_bc()
+            for param in self._replicated_bc_params():
+                param.is_distributed = False
+                with paddle.no_grad():
+                    comm.broadcast_from_src(param, pg)
 
     # ------------------------------------------------------------------------------------------
     # model-parallel bookkeeping
 
-    def _bc_columns(self):
-        """(start, stop) of the B and C columns in in_proj's local output (and conv channels, less
-        d_inner_local)."""
-        start = 2 * self.d_inner_local
-        return start, start + 2 * self.ngroups_local * self.d_state
-
-    @paddle.no_grad()
-    def _sync_replicated_bc(self):
-        """Make the replicated B/C columns of in_proj and channels of conv1d those of the source rank."""
-        a, b = self._bc_columns()
-        ca, cb = a - self.d_inner_local, b - self.d_inner_local
-        for param, axis, lo, hi in ((self.in_proj.weight, 1, a, b), (self.in_proj.bias, 0, a, b),
-                                    (self.conv1d.weight, 0, ca, cb), (self.conv1d.bias, 0, ca, cb)):
-            if param is None:
-                continue
-            index = [slice(None)] * param.ndim
-            index[axis] = slice(lo, hi)
-            part = param[tuple(index)].contiguous()
-            comm.broadcast_from_src(part, self.pg)
-            full = param.clone()
-            full[tuple(index)] = part
-            param.set_value(full)
-
-    def _replicated_grads(self, t, axis, lo, hi):
-        """t with its [lo, hi) slice along ``axis`` passed through copy_to_parallel: the gradient of
-        that replicated slice is all-reduced over the ranks (each rank's heads add their part)."""
-        if t is None or not self.bc_replicated:
-            return t
-        parts = paddle.split(t, [lo, hi - lo, t.shape[axis] - hi], axis=axis)
-        return paddle.concat([parts[0], comm.copy_to_parallel(parts[1], self.pg), parts[2]], axis=axis)
+    def _replicated_bc_params(self):
+        """The parameters of the replicated B/C columns of in_proj and channels of conv1d (ngroups not
+        sharded over the ranks): not ``is_distributed``, the same on every rank, their gradients
+        all-reduced (each rank's heads add a part). Empty otherwise."""
+        if not self.bc_replicated:
+            return []
+        return [p for p in (self.in_proj.weight_bc, self.in_proj.bias_bc, self.conv1d.weight_bc, self.conv1d.bias_bc)
+                if p is not None]
 
     def _local_weights(self):
-        """(in_proj weight, in_proj bias, conv weight, conv bias) as this rank's forward uses them."""
-        a, b = self._bc_columns()
-        ca, cb = a - self.d_inner_local, b - self.d_inner_local
-        return (self._replicated_grads(self.in_proj.weight, 1, a, b),
-                self._replicated_grads(self.in_proj.bias, 0, a, b),
-                self._replicated_grads(self.conv1d.weight, 0, ca, cb),
-                self._replicated_grads(self.conv1d.bias, 0, ca, cb))
+        """(in_proj weight ``[d_model, z | x | B | C | dt]``, its bias, conv weight ``[x | B | C, 1, d_conv]``,
+        its bias) as this rank's forward uses them: with replicated B/C, the sharded parameters with the
+        replicated ones spliced in through copy_to_parallel (identity forward, all-reduce backward)."""
+        w_in, b_in, conv_w, conv_b = self.in_proj.weight, self.in_proj.bias, self.conv1d.weight, self.conv1d.bias
+        if not self.bc_replicated:
+            return w_in, b_in, conv_w, conv_b
+        cut = 2 * self.d_inner_local  # z and x before B/C, dt after
+
+        def splice(sharded, replicated, axis, at):
+            if sharded is None:
+                return None
+            shared = comm.copy_to_parallel(replicated, self.pg)
+            if at is None:
+                return paddle.concat([sharded, shared], axis=axis)
+            head, tail = paddle.split(sharded, [at, sharded.shape[axis] - at], axis=axis)
+            return paddle.concat([head, shared, tail], axis=axis)
+
+        return (splice(w_in, self.in_proj.weight_bc, 1, cut), splice(b_in, self.in_proj.bias_bc, 0, cut),
+                splice(conv_w, self.conv1d.weight_bc, 0, None), splice(conv_b, self.conv1d.bias_bc, 0, None))
 
     def set_dense_state_dict(self, state_dict):
         """Load a dense (one-rank) block's parameters, keeping this rank's shards. ``state_dict``
@@ -232,26 +257,41 @@ class Mamba2Block(nn.Layer):
         groups = np.arange(self.ngroups) if self.bc_replicated else np.arange(rank * g_l, (rank + 1) * g_l)
         bc = (groups[:, None] * n + np.arange(n)[None, :]).reshape(-1)
         gdim = self.ngroups * n
-        in_cols = np.concatenate([chans, di + chans, 2 * di + bc, 2 * di + gdim + bc, 2 * di + 2 * gdim + heads])
-        conv_rows = np.concatenate([chans, di + bc, di + gdim + bc])
-        return take_shards(state_dict, {
+        bc_cols = np.concatenate([2 * di + bc, 2 * di + gdim + bc])
+        bc_rows = np.concatenate([di + bc, di + gdim + bc])
+        if self.bc_replicated:  # B/C in their own parameters: the sharded ones hold z, x, dt and x's channels
+            in_cols = np.concatenate([chans, di + chans, 2 * di + 2 * gdim + heads])
+            conv_rows = chans
+        else:
+            in_cols = np.concatenate([chans, di + chans, bc_cols, 2 * di + 2 * gdim + heads])
+            conv_rows = np.concatenate([chans, bc_rows])
+        local = take_shards(state_dict, {
             "in_proj.weight": (1, in_cols), "in_proj.bias": (0, in_cols), "conv1d.weight": (0, conv_rows),
             "conv1d.bias": (0, conv_rows), "dt_bias": (0, heads), "A_log": (0, heads), "D": (0, heads),
             "norm.weight": (0, chans), "out_proj.weight": (0, chans), "out_proj.bias": (0, None)})
+        if self.bc_replicated:
+            for name, axis, index in (("in_proj.weight", 1, bc_cols), ("in_proj.bias", 0, bc_cols),
+                                      ("conv1d.weight", 0, bc_rows), ("conv1d.bias", 0, bc_rows)):
+                if name in state_dict:
+                    local[name + "_bc"] = take_shards({name: state_dict[name]}, {name: (axis, index)})[name]
+        return local
 
     # ------------------------------------------------------------------------------------------
 
     def _no_decay_param(self, values):
         param = self.create_parameter([len(values)], dtype="float32",
                                       default_initializer=nn.initializer.Assign(values.astype(np.float32)))
-        param.no_weight_decay = True  # mamba_ssm's _no_weight_decay: excluded by decay filters that read it
+        # excluded from weight decay by filters that read mamba_ssm's mark (as MambaMixer's A_log, D), and
+        # by ours that read the older no_weight_decay (examples/train_mamba2.py)
+        param._no_weight_decay = True
+        param.no_weight_decay = True
         return param
 
     def _A(self):
         return -paddle.exp(self.A_log.astype("float32"))
 
-    def _conv_weight(self):
-        return self.conv1d.weight.reshape([self.conv_dim, self.d_conv])
+    def _conv_weight(self, weight):
+        return weight.reshape([self.conv_dim, self.d_conv])
 
     def _norm_across_ranks(self, y):
         """``rmsnorm(y) * weight`` over all d_inner columns of the ranks (y already gated): the sum of
@@ -267,7 +307,7 @@ class Mamba2Block(nn.Layer):
         parallel the gathered, transposed input). Returns (out before the reduction and out_proj's
         bias, zxbcdt, final states or None)."""
         w_in, b_in, conv_w, conv_b = self._local_weights()
-        zxbcdt = paddle.matmul(u, w_in) + (b_in if b_in is not None else 0.0)
+        zxbcdt = linear(u, w_in, b_in)
         common = dict(seq_idx=seq_idx, dt_limit=self.dt_limit, return_final_states=return_final_states,
                       activation=self.activation, headdim=self.headdim, ngroups=self.ngroups_local,
                       checkpoint_lvl=self.checkpoint_lvl, backend=self._backend)
@@ -275,7 +315,7 @@ class Mamba2Block(nn.Layer):
             res = mamba_split_conv1d_scan_combined(zxbcdt, conv_w, conv_b, self.dt_bias, self._A(), self.D,
                                                    self.chunk_size, **common)
             y, final_states = res if return_final_states else (res, None)
-            out = paddle.matmul(self._norm_across_ranks(y), self.out_proj.weight)
+            out = mm(self._norm_across_ranks(y), self.out_proj.weight)
         else:
             res = mamba_split_conv1d_scan_combined(
                 zxbcdt, conv_w, conv_b, self.dt_bias, self._A(), self.D, self.chunk_size,
@@ -289,7 +329,7 @@ class Mamba2Block(nn.Layer):
         if self.pg is not None:
             partial = comm.reduce_scatter_sequence(partial, self.pg) if sequence_parallel else \
                 comm.reduce_from_parallel(partial, self.pg)
-        return partial + self.out_proj.bias if self.out_proj.bias is not None else partial
+        return add(partial, self.out_proj.bias) if self.out_proj.bias is not None else partial
 
     def forward(self, u, seq_idx=None, cu_seqlens=None, inference_params=None):
         if u.ndim != 3 or u.shape[-1] != self.d_model:
@@ -352,8 +392,10 @@ class Mamba2Block(nn.Layer):
             raise ValueError(f"u: expected [batch, d_model={self.d_model}], got {list(u.shape)}")
         batch = u.shape[0]
         gdim = self.ngroups_local * self.d_state
-        z, xBC, dt = paddle.split(self.in_proj(u), [self.d_inner_local, self.conv_dim, self.nheads_local], axis=-1)
-        xBC = causal_conv1d_update(xBC, conv_state, self._conv_weight(), self.conv1d.bias, self.activation,
+        w_in, b_in, conv_w, conv_b = self._local_weights()
+        z, xBC, dt = paddle.split(linear(u, w_in, b_in), [self.d_inner_local, self.conv_dim, self.nheads_local],
+                                  axis=-1)
+        xBC = causal_conv1d_update(xBC, conv_state, self._conv_weight(conv_w), conv_b, self.activation,
                                    backend=self._backend)
         x, B, C = paddle.split(xBC, [self.d_inner_local, gdim, gdim], axis=-1)
         y = mamba2_state_update(ssm_state, x.reshape([batch, self.nheads_local, self.headdim]), dt, self._A(),
@@ -365,7 +407,7 @@ class Mamba2Block(nn.Layer):
             y = self._norm_across_ranks(y * F.silu(z.astype("float32")).astype(y.dtype))
         else:
             y = self.norm(y, z)
-        out = self._finish(paddle.matmul(y, self.out_proj.weight))
+        out = self._finish(mm(y, self.out_proj.weight))
         return out[:, None] if squeeze else out
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int = None, dtype=None):

@@ -17,12 +17,20 @@ from paddle import nn
 
 from ..ops._checks import check_eps
 from ..ops.norm import layer_norm_fn, rmsnorm_gated_fn
+from . import _args
 
 
 def _mark_sequence_parallel(*params) -> None:
     for param in params:
         if param is not None:
             param.sequence_parallel = True
+
+
+def _check_width(name: str, x, hidden_size: int) -> None:
+    """The input's last axis is the layer's width: the error names the user's input, not the weight
+    the op would compare it with."""
+    if isinstance(x, paddle.Tensor) and (x.ndim < 1 or x.shape[-1] != hidden_size):
+        raise ValueError(f"{name}: expected [..., hidden_size={hidden_size}], got shape {list(x.shape)}")
 
 
 class FusedLayerNorm(nn.Layer):
@@ -34,11 +42,16 @@ class FusedLayerNorm(nn.Layer):
                  sequence_parallel: bool = False, backend: str = "auto", residual_in_fp32: bool = False,
                  name=None):
         super().__init__()
-        shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+        if isinstance(normalized_shape, (list, tuple)):
+            if not normalized_shape:
+                raise ValueError("normalized_shape: expected an int >= 1 or a non-empty list of them, got []")
+            shape = [_args.positive_int("normalized_shape", size) for size in normalized_shape]
+        else:
+            shape = [_args.positive_int("normalized_shape", normalized_shape)]
         self._normalized_shape = shape
         self._epsilon = check_eps("epsilon", epsilon)
-        self._backend = backend
-        self._residual_in_fp32 = residual_in_fp32
+        self._backend = _args.backend(backend)
+        self._residual_in_fp32 = _args.flag("residual_in_fp32", residual_in_fp32)
         size = math.prod(shape)
         self.weight = None if weight_attr is False else self.create_parameter(
             [size], attr=weight_attr, default_initializer=nn.initializer.Constant(1.0))
@@ -80,17 +93,18 @@ class FusedRMSNorm(nn.Layer):
     def __init__(self, hidden_size: int, epsilon: float = 1e-6, weight_attr=None, sequence_parallel: bool = False,
                  backend: str = "auto", residual_in_fp32: bool = False, weight_offset: float = 0.0):
         super().__init__()
-        self.hidden_size = hidden_size
+        self.hidden_size = _args.positive_int("hidden_size", hidden_size)
         self.variance_epsilon = check_eps("epsilon", epsilon)
-        self._backend = backend
-        self._residual_in_fp32 = residual_in_fp32
-        self._weight_offset = weight_offset
+        self._backend = _args.backend(backend)
+        self._residual_in_fp32 = _args.flag("residual_in_fp32", residual_in_fp32)
+        self._weight_offset = _args.real("weight_offset", weight_offset)
         self.weight = self.create_parameter(
             [hidden_size], attr=weight_attr, default_initializer=nn.initializer.Constant(1.0 - weight_offset))
         if sequence_parallel:
             _mark_sequence_parallel(self.weight)
 
     def forward(self, x, residual=None):
+        _check_width("x", x, self.hidden_size)
         return layer_norm_fn(x, self.weight, None, residual, eps=self.variance_epsilon, prenorm=residual is not None,
                              residual_in_fp32=self._residual_in_fp32, is_rms_norm=True, backend=self._backend,
                              weight_offset=self._weight_offset)
@@ -110,14 +124,15 @@ class GatedRMSNorm(nn.Layer):
                  weight_attr=None, sequence_parallel: bool = False, backend: str = "auto", bias_attr=False,
                  is_rms_norm: bool = True):
         super().__init__()
-        if group_size is not None and (group_size <= 0 or hidden_size % group_size):
+        hidden_size = _args.positive_int("hidden_size", hidden_size)
+        if _args.positive_int("group_size", group_size, optional=True) is not None and hidden_size % group_size:
             raise ValueError(f"group_size: expected a positive divisor of hidden_size {hidden_size}, got {group_size}")
         self.hidden_size = hidden_size
         self.eps = check_eps("epsilon", epsilon)
         self.group_size = group_size
-        self.norm_before_gate = norm_before_gate
-        self._backend = backend
-        self.is_rms_norm = is_rms_norm
+        self.norm_before_gate = _args.flag("norm_before_gate", norm_before_gate)
+        self._backend = _args.backend(backend)
+        self.is_rms_norm = _args.flag("is_rms_norm", is_rms_norm)
         self.weight = self.create_parameter([hidden_size], attr=weight_attr,
                                             default_initializer=nn.initializer.Constant(1.0))
         self.bias = None if bias_attr is False else self.create_parameter(
@@ -126,6 +141,7 @@ class GatedRMSNorm(nn.Layer):
             _mark_sequence_parallel(self.weight, self.bias)
 
     def forward(self, x, z=None):
+        _check_width("x", x, self.hidden_size)
         return rmsnorm_gated_fn(x, self.weight, z, self.eps, self.group_size, self.norm_before_gate,
                                 backend=self._backend, bias=self.bias, is_rms_norm=self.is_rms_norm)
 

@@ -30,6 +30,8 @@ import paddle.nn as nn
 
 from ..distributed import comm
 from ..ops.fused_dense import GATED, check_mlp_options, fused_dense_func, fused_mlp_func
+from . import _args
+from .fused_dense import fused_dense_options
 
 
 def _model_parallel(mp_group):
@@ -85,6 +87,9 @@ class ColumnParallelLinear(nn.Layer):
     def __init__(self, in_features, out_features, weight_attr=None, has_bias=None, gather_output=True,
                  fuse_matmul_bias=False, mp_group=None, name=None, sequence_parallel=False, backend="auto"):
         super().__init__()
+        in_features = _args.positive_int("in_features", in_features)
+        out_features = _args.positive_int("out_features", out_features)
+        _args.backend(backend)
         self.pg = _model_parallel(mp_group)
         if sequence_parallel and gather_output:
             raise ValueError("gather_output: must be False with sequence_parallel (the output stays split "
@@ -119,6 +124,9 @@ class RowParallelLinear(nn.Layer):
     def __init__(self, in_features, out_features, weight_attr=None, has_bias=True, input_is_parallel=False,
                  fuse_matmul_bias=False, mp_group=None, name=None, sequence_parallel=False, backend="auto"):
         super().__init__()
+        in_features = _args.positive_int("in_features", in_features)
+        out_features = _args.positive_int("out_features", out_features)
+        _args.backend(backend)
         self.pg = _model_parallel(mp_group)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("input_is_parallel: must be True with sequence_parallel (as in PaddleNLP's "
@@ -159,8 +167,11 @@ class ParallelFusedMLP(nn.Layer):
                  weight_attr=None, mp_group=None, backend="auto"):
         super().__init__()
         check_mlp_options(activation, checkpoint_lvl)
-        hidden_features = hidden_features or 4 * in_features
-        out_features = out_features or in_features
+        fused_dense_options(heuristic)
+        in_features = _args.positive_int("in_features", in_features)
+        hidden_features = _args.positive_int("hidden_features", hidden_features, optional=True) or 4 * in_features
+        out_features = _args.positive_int("out_features", out_features, optional=True) or in_features
+        _args.backend(backend)
         self.pg = _model_parallel(mp_group)
         _check_divisible("hidden_features", hidden_features, self.pg)
         gated = activation in GATED

@@ -30,6 +30,8 @@ global gradient divided by the group size.
 
 from __future__ import annotations
 
+import math
+
 import paddle
 
 from ..distributed.comm import reduce_from_parallel
@@ -159,8 +161,8 @@ def _check_inputs(q, k, labels, scale, symmetric, reduction, precision):
         raise TypeError(f"k: expected the dtype of q ({q.dtype}), got {k.dtype}")
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"k: expected dim {q.shape[1]} (q's), got shape {list(k.shape)}")
-    if q.shape[0] == 0 or k.shape[0] == 0:
-        raise ValueError(f"q, k: expected at least one row each, got shapes {list(q.shape)} and {list(k.shape)}")
+    if k.shape[0] == 0 and q.shape[0] > 0:  # a row's softmax over no candidates has no value
+        raise ValueError(f"k: expected at least one row for the {q.shape[0]} rows of q, got shape {list(k.shape)}")
     if q.shape[1] == 0:
         raise ValueError(f"q, k: expected dim >= 1, got {q.shape[1]}")
     if device_of(q) != device_of(k):
@@ -177,8 +179,13 @@ def _check_inputs(q, k, labels, scale, symmetric, reduction, precision):
         if scale.size != 1 or scale.dtype not in (paddle.float32, paddle.float64, paddle.float16, paddle.bfloat16):
             raise TypeError(f"scale: expected a float or a float scalar tensor, got shape {list(scale.shape)} "
                             f"dtype {scale.dtype}")
+        value = float(scale.detach().astype("float32").item())  # (a sync; the Triton path reads it anyway)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale: expected a float or a Paddle scalar tensor, got {type(scale).__name__}")
+    else:
+        value = float(scale)
+    if not math.isfinite(value):  # NaN or inf would make every loss and gradient NaN without a word
+        raise ValueError(f"scale: expected a finite value, got {value}")
     if labels is not None:
         if not isinstance(labels, paddle.Tensor):
             raise TypeError(f"labels: expected a paddle.Tensor or None, got {type(labels).__name__}")
@@ -221,8 +228,10 @@ def flash_contrastive_loss(q: paddle.Tensor, k: paddle.Tensor, labels: paddle.Te
     ring.check_same_rows(q.shape[0], "q")
     if q.shape[0] != k.shape[0] and ring.world > 1:
         raise ValueError(f"k: with a group, q and k must have the same local batch, got {q.shape[0]} and {k.shape[0]}")
-    labels = _labels(labels, q.shape[0], ring.rank * q.shape[0], ring.world * k.shape[0])
     chosen = resolve_backend("flash_contrastive_loss", backend, device_of(q), implemented=("triton", "reference"))
+    if q.shape[0] == 0:  # every rank's batch is empty (check_same_rows): no collective, on any backend
+        return _empty_batch_loss(q, k, scale, reduction)
+    labels = _labels(labels, q.shape[0], ring.rank * q.shape[0], ring.world * k.shape[0])
     if chosen == "reference":
         rows = _reference_rows(q, k, labels, scale, symmetric, pg)
     else:
@@ -235,6 +244,15 @@ def flash_contrastive_loss(q: paddle.Tensor, k: paddle.Tensor, labels: paddle.Te
     if reduction == "mean":
         total = total / (ring.world * q.shape[0])
     return reduce_from_parallel(total, pg)  # forward all-reduce, backward identity (each rank its share)
+
+
+def _empty_batch_loss(q, k, scale, reduction):
+    """The loss of a batch of no rows: 0 (``[0]`` for "none"), float32, with zero gradients for q, k
+    and a tensor scale (not None: an optimizer steps them as usual)."""
+    zero = (q.astype("float32").sum() + k.astype("float32").sum()) * 0.0
+    if isinstance(scale, paddle.Tensor):
+        zero = zero * scale.astype("float32").reshape([])
+    return paddle.zeros([0], dtype="float32") + zero if reduction == "none" else zero
 
 
 def _reference_rows(q, k, labels, scale, symmetric, pg):

@@ -133,11 +133,27 @@ def local_device() -> str:
     return "cpu"
 
 
+def no_gpu_reason() -> Optional[str]:
+    """Why this process has no GPU tensors (a CPU build of Paddle, or no visible GPU), or None."""
+    import paddle
+
+    if not paddle.is_compiled_with_cuda():
+        return "no GPU here: this Paddle is a CPU build (not compiled with CUDA)"
+    if paddle.device.cuda.device_count() == 0:
+        return "no GPU here: Paddle is compiled with CUDA but sees no GPU (driver, CUDA_VISIBLE_DEVICES)"
+    return None
+
+
 def available_backends(device: Optional[str] = None) -> Dict[str, BackendStatus]:
     """Each backend with whether it can run on ``device`` ('gpu'/'cpu', default: this machine's)
-    and why (not)."""
+    and why (not). For 'gpu' on a machine without one, none can: there are no GPU tensors to run on."""
     device = device or local_device()
-    return {name: backend_status(name, device) for name in BACKENDS}
+    statuses = {name: backend_status(name, device) for name in BACKENDS}
+    missing = no_gpu_reason() if device == "gpu" else None
+    if missing:  # the backend's own problem, if it has one, is still worth knowing
+        statuses = {name: BackendStatus(False, missing if status.available else f"{missing}; also {status.reason}")
+                    for name, status in statuses.items()}
+    return statuses
 
 
 def _norm_order(N: int) -> tuple:

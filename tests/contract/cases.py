@@ -391,12 +391,13 @@ LOSSES = [
           _plain_contrastive,
           bad=(Bad("k dim", with_(k=randn(6, 7)), ValueError, "k"),
                Bad("q rank", with_(q=randn(6)), ValueError, "q")),
-          low_precision=("q", "k"),
-          notes={"empty": "rejects an empty batch (ValueError naming q, k): the plain mean over 0 rows is NaN"}),
+          empty=lambda: dict(q=randn(0, 8), k=randn(0, 8)),  # loss 0 (the plain mean over 0 rows is NaN)
+          low_precision=("q", "k")),
     Entry("FlashContrastiveLoss(symmetric, learnable scale)", lambda: _matching_pairs(5, 8),
           lambda layer, q, k: layer(q, k),
           lambda layer, q, k: _plain_contrastive(q, k, layer.scale(), symmetric=True),
           build=built(pf.FlashContrastiveLoss, symmetric=True, learnable_scale=True, init_scale=2.0),
+          empty=lambda: dict(q=randn(0, 8), k=randn(0, 8)),
           low_precision=("q", "k")),
 ]
 

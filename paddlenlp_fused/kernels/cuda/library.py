@@ -42,7 +42,7 @@ def load() -> Tuple[Optional[ctypes.CDLL], Optional[str]]:
         return _lib, _error
     path = library_path()
     if not path.is_file():
-        _error = f"{path} is not built (install with nvcc on PATH, or set PADDLENLP_FUSED_CUDA_LIB)"
+        _error = f"{path} is not built (install with nvcc on PATH on a machine with a GPU, or with PADDLENLP_FUSED_BUILD_CUDA=1; or set PADDLENLP_FUSED_CUDA_LIB)"
         return None, _error
     try:
         lib = ctypes.CDLL(str(path))
