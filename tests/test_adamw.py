@@ -707,6 +707,109 @@ def test_loads_paddle_adamw_checkpoint():
         assert _rel(ours[key].astype("float32").numpy(), value.numpy()) <= 2**-8, key
 
 
+def _scheduled(lr=2e-2):
+    return paddle.optimizer.lr.StepDecay(lr, step_size=2, gamma=0.5)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("direction", ["ours_to_paddle", "paddle_to_ours"])
+def test_checkpoints_move_both_ways_with_paddle_adamw(direction, amsgrad):
+    """3 steps with one optimizer and a schedule, its state dict into the other (ours: bfloat16
+    moments, exported as float32 by default), 3 more steps: the same as 3 more steps of the
+    first kind loaded from the same state dict (ours with float32 moments, so that only the
+    arithmetic differs), schedule included."""
+    x, y = _data()
+    # beta2 small enough that the second moment falls, so AMSGrad's maximum matters
+    fused = lambda m, s, dtype: FusedAdamW(s, parameters=m.parameters(), beta2=0.6, moment_dtype=dtype,  # noqa: E731
+                                           stochastic_rounding=False, amsgrad=amsgrad, backend="reference")
+    plain = lambda m, s: paddle.optimizer.AdamW(s, parameters=m.parameters(), beta2=0.6,  # noqa: E731
+                                                amsgrad=amsgrad)
+    model, sched = _mlp(), _scheduled()
+    with paddle.utils.unique_name.guard():  # Paddle's accumulator names as in a fresh process (suffix _0)
+        first = fused(model, sched, "bfloat16") if direction == "ours_to_paddle" else plain(model, sched)
+        _train(model, first, x, y, 3, sched)
+    state = first.state_dict()
+    saved = [p.numpy().copy() for p in model.parameters()]
+    assert all(v.dtype == paddle.float32 for k, v in state.items() if "moment" in k)
+    assert any(k.endswith("moment2_max_0") for k in state) == amsgrad
+
+    def resume(make):
+        resumed = _mlp()
+        for p, v in zip(resumed.parameters(), saved):
+            p.set_value(v)
+        sched = _scheduled()
+        with paddle.utils.unique_name.guard():
+            opt = make(resumed, sched)
+            opt.set_state_dict({k: (dict(v) if isinstance(v, dict) else v) for k, v in state.items()})
+            assert sched.last_epoch == 3
+            _train(resumed, opt, x, y, 3, sched)
+        return [p.numpy() for p in resumed.parameters()], opt
+
+    theirs, paddle_opt = resume(plain)
+    ours, fused_opt = resume(lambda m, s: fused(m, s, "float32"))
+    for a, b in zip(ours, theirs):
+        assert _rel(a, b) <= PADDLE_50_STEPS_BOUND
+    for key, value in paddle_opt.state_dict().items():
+        if "moment" in key:
+            assert _rel(fused_opt.state_dict()[key].numpy(), value.numpy()) <= PADDLE_50_STEPS_BOUND, key
+
+
+def test_bf16_moments_with_a_master_weight_load_into_paddle_adamw():
+    """The issue's case: bfloat16 moments and a bfloat16 parameter with a float32 master weight
+    load into Paddle's AdamW (which asserted float32 moments), values exact; with
+    checkpoint_moment_dtype=None the checkpoint keeps bfloat16 moments and reloads into ours."""
+    x, y = _data()
+    model = _mlp(with_bf16_gain=True)
+    opt = FusedAdamW(1e-2, parameters=model.parameters())
+    _train(model, opt, x, y, 2)
+    state = opt.state_dict()
+    with paddle.utils.unique_name.guard():  # Paddle's accumulator names as in a fresh process (suffix _0)
+        paddle_opt = paddle.optimizer.AdamW(1e-2, parameters=model.parameters(), multi_precision=True)
+        paddle_opt.set_state_dict(dict(state, master_weights=dict(state["master_weights"])))
+        # Paddle's CPU AdamW kernel has no bf16 variant; its accumulators are created as step() does
+        paddle_opt._create_accumulators(paddle.static.default_main_program().global_block(), model.parameters())
+    theirs = paddle_opt.state_dict()
+    for key, value in state.items():
+        if "moment" in key or "pow_acc" in key:
+            np.testing.assert_array_equal(theirs[key].numpy(), value.numpy(), err_msg=key)
+    np.testing.assert_array_equal(theirs["master_weights"][model.gain.name].numpy(),
+                                  state["master_weights"][model.gain.name].numpy())
+
+    compact = FusedAdamW(1e-2, parameters=model.parameters(), checkpoint_moment_dtype=None)
+    compact.set_state_dict(state)
+    kept = compact.state_dict()
+    for key, value in state.items():
+        if "moment" in key:
+            assert kept[key].dtype == paddle.bfloat16
+            np.testing.assert_array_equal(kept[key].astype("float32").numpy(), value.numpy(), err_msg=key)
+
+
+def test_amsgrad_keeps_the_running_maximum():
+    """AMSGrad on bfloat16 moments (round to nearest): after every step the stored maximum is the
+    maximum of the previous one and the stored second moment (also of a bfloat16 parameter's master
+    weight); the kernel path says it lacks it."""
+    x, y = _data()
+    model = _mlp(with_bf16_gain=True)
+    opt = FusedAdamW(1e-2, parameters=model.parameters(), beta2=0.6, amsgrad=True, stochastic_rounding=False,
+                     backend="reference")
+    previous = None
+    for _ in range(6):
+        _train(model, opt, x, y, 1)
+        now = {k: v.astype("float32").numpy() for k, v in opt.state_dict().items() if "moment2" in k}
+        for key in (k for k in now if k.endswith("moment2_0")):
+            v, v_max = now[key], now[key.replace("moment2_0", "moment2_max_0")]
+            expected = v if previous is None else np.maximum(previous[key.replace("moment2_0", "moment2_max_0")], v)
+            np.testing.assert_array_equal(v_max, expected)
+        previous = now
+    assert any((previous[k] > previous[k.replace("_max", "")]).any() for k in previous if "max" in k)
+    with pytest.raises(NotImplementedError, match="backend='reference'"):
+        FusedAdamW(parameters=model.parameters(), amsgrad=True, backend="triton")
+    kernel_path = FusedAdamW(parameters=model.parameters(), amsgrad=True)  # auto: the interpreter's kernel
+    ((_forward(model, x) - y) ** 2).mean().backward()
+    with pytest.raises(NotImplementedError, match="backend='reference'"):
+        kernel_path.step()
+
+
 def test_tiny_model_200_steps_with_bf16_moments_reaches_paddle_loss():
     """bf16 moments, stochastic rounding, Triton kernel (interpreter): the mean loss of the last 10
     of 200 steps is within 1% of paddle.optimizer.AdamW's (fp32 moments)."""
@@ -736,16 +839,16 @@ def _state_bytes(state_dict):
 
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
 def test_state_bytes_against_paddle_adamw(param_dtype):
-    """Measured from the state dicts: moments take half of Paddle's bytes. fp32 params: all state
-    is moments, so the total is half too; bf16 params with multi_precision: both keep a 4-byte
-    master, so the total is 8 / 12 of Paddle's."""
+    """Measured from the state dicts (moments as kept, checkpoint_moment_dtype=None): moments take
+    half of Paddle's bytes. fp32 params: all state is moments, so the total is half too; bf16
+    params with multi_precision: both keep a 4-byte master, so the total is 8 / 12 of Paddle's."""
     layer = paddle.nn.Linear(256, 64)
     layer.to(dtype=param_dtype)
     params = layer.parameters()
     paddle_opt = paddle.optimizer.AdamW(parameters=params, multi_precision=True)
     # Paddle's CPU AdamW kernel has no bf16 variant; its accumulators are created the way step() does
     paddle_opt._create_accumulators(paddle.static.default_main_program().global_block(), params)
-    opt = FusedAdamW(parameters=params, multi_precision=True)
+    opt = FusedAdamW(parameters=params, multi_precision=True, checkpoint_moment_dtype=None)  # moments as kept
     ((layer(randn((4, 256)).astype(param_dtype)) if param_dtype == "float32" else
       sum((p.astype("float32") ** 2).sum() for p in params))).sum().backward()
     opt.step()
@@ -780,6 +883,10 @@ def test_bad_input_raises_clear_errors():
     # a known backend it lacks: the error every op raises for that, at construction
     with pytest.raises(BackendUnavailableError, match="FusedAdamW: no 'cuda' implementation"):
         FusedAdamW(parameters=params, backend="cuda")
+    with pytest.raises(ValueError, match="checkpoint_moment_dtype"):
+        FusedAdamW(parameters=params, checkpoint_moment_dtype="int8")
+    with pytest.raises(TypeError, match="amsgrad"):
+        FusedAdamW(parameters=params, amsgrad="yes")
     with pytest.raises(TypeError, match="apply_decay_param_fun"):
         FusedAdamW(parameters=params, apply_decay_param_fun=3)
     with pytest.raises(ValueError, match="unknown parameter-group options"):

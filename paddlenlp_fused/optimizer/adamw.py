@@ -8,12 +8,23 @@ What changes is the storage: the first and second moments are kept in ``moment_d
 by default; half the bytes of Paddle's float32 moments), rounded stochastically so that they stay
 unbiased, and float16/bfloat16 parameters get float32 master weights when ``multi_precision``.
 
-State-dict layout follows Paddle's AdamW, so checkpoints move between the two (moments are cast on
-load): ``{name}_moment1_0``, ``{name}_moment2_0``, ``{name}_beta1_pow_acc_0``,
+State-dict layout follows Paddle's AdamW, so checkpoints move between the two (moments written in
+``checkpoint_moment_dtype``, float32 by default as Paddle's AdamW asserts, and cast to
+``moment_dtype`` on load): ``{name}_moment1_0``, ``{name}_moment2_0`` (``{name}_moment2_max_0``
+with AMSGrad), ``{name}_beta1_pow_acc_0``,
 ``{name}_beta2_pow_acc_0`` where ``name`` is the parameter's name, or its master weight's
 (``{param}_fp32_master_0``) when it has one; ``"master_weights"``: {param name: fp32 tensor};
 ``"LR_Scheduler"``; plus ``STEP_KEY``: int64 [step, seed] of the stochastic-rounding stream, so a
 reloaded run continues with the same random numbers.
+
+Inside fleet's wrappers: the clip is read at step time, so ``HybridParallelClipGrad`` (and the
+sharding optimizers' clips) that fleet installs in ``_grad_clip`` after construction apply, also
+to parameter groups that took the constructor's clip; ``_apply_optimize`` applies exactly the
+(param, grad) pairs or the parameter-group dict that ``DygraphShardingOptimizer`` and
+``MixPrecisionOptimizer`` pass, ``main_grad`` included; the parameter list is read at step time
+(sharding narrows it to this rank's). The kernel path keeps its per-parameter-set tables for the
+``TABLE_CACHE_SIZE`` most recent sets, so routing that changes which parameters have a gradient
+(MoE) does not grow them.
 
 Host work per step: Python over the parameters (gradients, hyper-parameters, the offsets table of
 the addresses, ~5 us a parameter) and one upload of the per-tensor scalar table, which Paddle copies
@@ -44,6 +55,8 @@ STEP_KEY = "FusedAdamW.step_seed"
 _SIXTEEN_BIT = ("float16", "bfloat16")
 _GROUP_KEYS = ("params", "learning_rate", "weight_decay", "beta1", "beta2", "epsilon", "grad_clip", "lazy_mode")
 IMPLEMENTED = ("triton", "reference")
+_AMSGRAD_ON_KERNEL = ("amsgrad: FusedAdamW's Triton kernel has no AMSGrad yet; use backend='reference' (a host "
+                      "update, slow on a GPU) or paddle.optimizer.AdamW(amsgrad=True)")
 
 
 def _float(name: str, value) -> float:
@@ -77,13 +90,36 @@ def _dtype_name(dtype) -> str:
         name, name)
 
 
+TABLE_CACHE_SIZE = 8  # sets of parameters whose kernel tables are kept; a step uses one per dtype group
+
+
+class _LRU:
+    """At most ``size`` entries; ``put`` makes an entry the most recent, evicting the oldest."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self._entries = size, OrderedDict()
+
+    def get(self, key):
+        return self._entries.get(key)
+
+    def put(self, key, value) -> None:
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class _ParamState:
     """Optimizer state of one parameter. ``key``: the name its state-dict entries start with."""
 
-    __slots__ = ("key", "exp_avg", "exp_avg_sq", "master", "beta1_pow", "beta2_pow")
+    __slots__ = ("key", "exp_avg", "exp_avg_sq", "exp_avg_sq_max", "master", "beta1_pow", "beta2_pow")
 
-    def __init__(self, key, exp_avg, exp_avg_sq, master, beta1_pow, beta2_pow):
+    def __init__(self, key, exp_avg, exp_avg_sq, exp_avg_sq_max, master, beta1_pow, beta2_pow):
         self.key, self.exp_avg, self.exp_avg_sq, self.master = key, exp_avg, exp_avg_sq, master
+        self.exp_avg_sq_max = exp_avg_sq_max
         self.beta1_pow, self.beta2_pow = np.float32(beta1_pow), np.float32(beta2_pow)
 
 
@@ -118,6 +154,13 @@ class FusedAdamW(Optimizer):
             stochastically, unbiased (default True); else round to nearest-even.
         backend: "auto" (Triton on GPU and under TRITON_INTERPRET=1, else the reference),
             "triton" or "reference".
+        amsgrad: AMSGrad as Paddle's AdamW (divide by the running maximum of the second moment,
+            kept in ``moment_dtype``, state-dict key ``{name}_moment2_max_0``). The reference
+            backend only: the Triton kernel does not have it yet (NotImplementedError).
+        checkpoint_moment_dtype: the dtype ``state_dict()`` writes the moments in: "float32"
+            (default: the checkpoint loads into ``paddle.optimizer.AdamW``, which asserts float32
+            moments) or None for ``moment_dtype`` (16-bit moments halve their bytes in the
+            checkpoint; only FusedAdamW loads it). Loading casts to ``moment_dtype`` either way.
     """
 
     def __init__(self, learning_rate: float | LRScheduler = 0.001, beta1=0.9, beta2=0.999, epsilon=1e-8,
@@ -125,7 +168,8 @@ class FusedAdamW(Optimizer):
                  moment_dtype="bfloat16", multi_precision: bool = True, stochastic_rounding: bool = True,
                  apply_decay_param_fun: Optional[Callable[[str], bool]] = None,
                  lr_ratio: Optional[Callable[[paddle.Tensor], float]] = None, name: Optional[str] = None,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", amsgrad: bool = False,
+                 checkpoint_moment_dtype: Optional[str] = "float32") -> None:
         if parameters is None:
             raise ValueError("parameters: FusedAdamW runs in dygraph mode and needs the parameters to update, got None")
         if isinstance(learning_rate, int) and not isinstance(learning_rate, bool):
@@ -147,6 +191,15 @@ class FusedAdamW(Optimizer):
             raise ValueError(f"backend: expected one of {['auto', *BACKENDS]}, got {backend!r}")
         if backend != "auto" and backend not in IMPLEMENTED:  # as every op says it (resolve_backend), but early
             raise BackendUnavailableError(f"FusedAdamW: no {backend!r} implementation; this op has {list(IMPLEMENTED)}")
+        if not isinstance(amsgrad, bool):
+            raise TypeError(f"amsgrad: expected a bool, got {type(amsgrad).__name__}")
+        if amsgrad and backend == "triton":
+            raise NotImplementedError(_AMSGRAD_ON_KERNEL)
+        if checkpoint_moment_dtype is not None:
+            checkpoint_moment_dtype = _dtype_name(checkpoint_moment_dtype)
+            if checkpoint_moment_dtype not in MOMENT_DTYPES:
+                raise ValueError(f"checkpoint_moment_dtype: expected one of {list(MOMENT_DTYPES)} or None, got "
+                                 f"{checkpoint_moment_dtype!r}")
         if grad_clip is not None and not isinstance(grad_clip, GradientClipBase):
             raise TypeError(f"grad_clip: expected a paddle.nn.ClipGradBy* instance, got {type(grad_clip).__name__}")
 
@@ -162,12 +215,15 @@ class FusedAdamW(Optimizer):
         self._apply_decay_param_fun = apply_decay_param_fun
         self._lr_ratio = lr_ratio
         self._backend = backend
+        self._amsgrad = amsgrad
+        self._checkpoint_moment_dtype = checkpoint_moment_dtype
         self._states: Dict[str, _ParamState] = OrderedDict()
         self._step_count = 0
         # the stochastic-rounding stream follows paddle.seed without drawing from Paddle's generator
         self._seed = int(paddle.base.core.default_cpu_generator().initial_seed()) & 0xFFFFFFFF
-        self._chunk_tables: Dict[tuple, tuple] = {}
-        self._offset_tables: Dict[tuple, tuple] = {}
+        # device tables per set of parameters with a gradient: MoE routing changes that set from
+        # step to step, so only the most recently used few are kept
+        self._tables = _LRU(TABLE_CACHE_SIZE)
         self._host_groups: Dict[tuple, HostGroup | KernelGroup] = {}
         for param in self._all_params():
             if T.dtype_name(param) not in T.FLOAT_DTYPES:
@@ -206,9 +262,19 @@ class FusedAdamW(Optimizer):
         self._param_groups.append(param_group)
 
     def _groups(self) -> List[dict]:
+        # fleet's sharding wrappers replace _parameter_list and _param_groups with this rank's
+        # parameters (a list, not groups), so both are read at step time
         if self._param_groups and isinstance(self._param_groups[0], dict):
             return self._param_groups
         return [dict(self._group_defaults, params=self._parameter_list)]
+
+    def _clip_of(self, group: dict) -> Optional[GradientClipBase]:
+        """The clip a group applies now. A group holding the constructor's clip follows
+        ``self._grad_clip``, which fleet's wrappers replace after construction
+        (``HybridParallelClipGrad``, ``GroupShardedClipGrad``); a clip the group was given itself,
+        or that a wrapper put into the group, stays the group's, as in Paddle's Optimizer."""
+        clip = group.get("grad_clip", self._group_defaults["grad_clip"])
+        return self._grad_clip if clip is self._group_defaults["grad_clip"] else clip
 
     def _all_params(self):
         return [p for group in self._groups() for p in group["params"]]
@@ -229,8 +295,12 @@ class FusedAdamW(Optimizer):
             exp_avg = paddle.zeros_like(param, dtype=self._moment_dtype)
             exp_avg_sq = paddle.zeros_like(param, dtype=self._moment_dtype)
             exp_avg.name, exp_avg_sq.name = f"{key}{suffix}_moment1_0", f"{key}{suffix}_moment2_0"
+            exp_avg_sq_max = None
+            if self._amsgrad:
+                exp_avg_sq_max = paddle.zeros_like(param, dtype=self._moment_dtype)
+                exp_avg_sq_max.name = f"{key}{suffix}_moment2_max_0"
             # beta^t of the coming step, as Paddle's AdamW initialises its beta-pow accumulators
-            state = _ParamState(key, exp_avg, exp_avg_sq, master, group["beta1"], group["beta2"])
+            state = _ParamState(key, exp_avg, exp_avg_sq, exp_avg_sq_max, master, group["beta1"], group["beta2"])
             self._states[param.name] = state
             if master is not None:
                 self._master_weights[param.name] = master
@@ -238,18 +308,24 @@ class FusedAdamW(Optimizer):
 
     def _state_keys(self, state: _ParamState) -> Dict[str, str]:
         suffix = f"_{self._name}" if self._name else ""
-        return {field: f"{state.key}{suffix}_{field}_0"
-                for field in ("moment1", "moment2", "beta1_pow_acc", "beta2_pow_acc")}
+        fields = ("moment1", "moment2") + (("moment2_max",) if self._amsgrad else ()) + (
+            "beta1_pow_acc", "beta2_pow_acc")
+        return {field: f"{state.key}{suffix}_{field}_0" for field in fields}
 
     def state_dict(self) -> dict:
-        """Moments, beta-pow accumulators (CPU float32 [1]), master weights, LR scheduler, step/seed.
-        Moment and master tensors are the live ones (as Paddle's); ``paddle.save`` copies them."""
+        """Moments (in ``checkpoint_moment_dtype``), beta-pow accumulators (CPU float32 [1]), master
+        weights, LR scheduler, step/seed. Master tensors, and moments kept in the checkpoint's dtype,
+        are the live ones (as Paddle's; ``paddle.save`` copies them); cast moments are copies."""
         out = {}
         cpu = paddle.CPUPlace()
+        dtype = self._checkpoint_moment_dtype or self._moment_dtype
         for state in self._states.values():
             keys = self._state_keys(state)
-            out[keys["moment1"]] = state.exp_avg
-            out[keys["moment2"]] = state.exp_avg_sq
+            moments = [("moment1", state.exp_avg), ("moment2", state.exp_avg_sq)]
+            if self._amsgrad:
+                moments.append(("moment2_max", state.exp_avg_sq_max))
+            for field, moment in moments:
+                out[keys[field]] = moment if dtype == self._moment_dtype else moment.astype(dtype)
             out[keys["beta1_pow_acc"]] = paddle.to_tensor([state.beta1_pow], dtype="float32", place=cpu)
             out[keys["beta2_pow_acc"]] = paddle.to_tensor([state.beta2_pow], dtype="float32", place=cpu)
         masters = {name: state.master for name, state in self._states.items() if state.master is not None}
@@ -289,6 +365,8 @@ class FusedAdamW(Optimizer):
                     raise ValueError(f"state_dict: entries {missing} missing for parameter {param.name}")
                 _assign_from(state.exp_avg, entries[keys["moment1"]], keys["moment1"])
                 _assign_from(state.exp_avg_sq, entries[keys["moment2"]], keys["moment2"])
+                if self._amsgrad:
+                    _assign_from(state.exp_avg_sq_max, entries[keys["moment2_max"]], keys["moment2_max"])
                 state.beta1_pow = _scalar_of(entries[keys["beta1_pow_acc"]])
                 state.beta2_pow = _scalar_of(entries[keys["beta2_pow_acc"]])
                 if state.master is not None and param.name in masters:
@@ -311,26 +389,27 @@ class FusedAdamW(Optimizer):
         return grad
 
     def _params_and_grads(self):
-        """[(param, grad, group)] of the parameters that have a gradient, after each group's grad_clip
+        """[(param, grad, group)] of the parameters that have a gradient, after each group's clip
         and any per-parameter regularizer (as Paddle's Optimizer applies them)."""
         out = []
         for group in self._groups():
-            pairs = []
-            for param in group["params"]:
-                grad = None if param.stop_gradient else self._grad_of(param)
-                if grad is None:
-                    continue
-                if hasattr(grad, "is_selected_rows") and grad.is_selected_rows():
-                    raise NotImplementedError(f"FusedAdamW: sparse (SelectedRows) gradient of {param.name} is not "
-                                              "supported")
-                pairs.append((param, grad))
-            if not pairs:
-                continue
-            if group["grad_clip"] is not None:
-                pairs = group["grad_clip"](pairs)
-            pairs = self.append_regularization_ops(pairs, None)
-            out += [(param, grad, group) for param, grad in pairs]
+            pairs = [(param, self._grad_of(param)) for param in group["params"] if not param.stop_gradient]
+            out += self._clipped(pairs, group, self._clip_of(group))
         return out
+
+    def _clipped(self, pairs, group: dict, clip: Optional[GradientClipBase]):
+        """[(param, grad, group)] of ``pairs`` with a gradient, after ``clip`` and the regularizers."""
+        pairs = [(param, grad) for param, grad in pairs if grad is not None]
+        for param, grad in pairs:
+            if hasattr(grad, "is_selected_rows") and grad.is_selected_rows():
+                raise NotImplementedError(f"FusedAdamW: sparse (SelectedRows) gradient of {param.name} is not "
+                                          "supported")
+        if not pairs:
+            return []
+        if clip is not None:
+            pairs = clip(pairs)
+        pairs = self.append_regularization_ops(pairs, None)
+        return [(param, grad, group) for param, grad in pairs]
 
     def _found_inf(self) -> bool:
         """AMP's GradScaler hands over found_inf; a step with inf/nan gradients is skipped (Paddle)."""
@@ -344,11 +423,44 @@ class FusedAdamW(Optimizer):
     @paddle.no_grad()
     def step(self) -> None:
         """One AdamW step of every parameter that has a gradient."""
-        if in_to_static_mode():
-            raise NotImplementedError("FusedAdamW runs in dygraph mode only (not inside paddle.jit.to_static)")
+        self._check_eager("step")
         if self._found_inf():
             return
-        work = self._params_and_grads()
+        self._update(self._params_and_grads())
+
+    @staticmethod
+    def _check_eager(what: str) -> None:
+        if in_to_static_mode() or not paddle.in_dynamic_mode():
+            raise NotImplementedError(f"FusedAdamW.{what}: FusedAdamW updates parameters eagerly (dygraph); it "
+                                      "has no static-graph program (paddle.jit.to_static, paddle.static)")
+
+    @paddle.no_grad()
+    def _apply_optimize(self, loss, startup_program, params_grads, param_group_idx=0):
+        """Apply exactly ``params_grads``, as fleet's ``DygraphShardingOptimizer`` (this rank's
+        shard) and ``MixPrecisionOptimizer`` (``main_grad``) call it: a list of (param, grad),
+        clipped by ``self._grad_clip``, or a parameter group's dict (``params``: the pairs, plus the
+        group's options), clipped by its own clip. Honours AMP's found_inf. Returns no ops (dygraph)."""
+        self._check_eager("_apply_optimize")
+        if self._found_inf():
+            return []
+        if isinstance(params_grads, dict):
+            group = dict(self._group_defaults)
+            group.update((key, value) for key, value in params_grads.items() if key != "params")
+            work = self._clipped(self._live(params_grads["params"]), group, self._clip_of(group))
+        else:
+            group_of = {id(param): group for group in self._groups() for param in group["params"]}
+            pairs = self._live(params_grads)
+            work = [(param, grad, group_of.get(id(param), self._group_defaults))
+                    for param, grad, _ in self._clipped(pairs, self._group_defaults, self._grad_clip)]
+        self._update(work)
+        return []
+
+    @staticmethod
+    def _live(pairs):
+        return [(param, grad) for param, grad in pairs if not param.stop_gradient]
+
+    def _update(self, work) -> None:
+        """One AdamW step of ``work``: [(param, grad, group)], already clipped."""
         if not work:
             return
         self._step_count += 1
@@ -372,6 +484,8 @@ class FusedAdamW(Optimizer):
                                   implemented=IMPLEMENTED)
         if backend == "reference":
             self._step_reference(work, states, table)
+        elif self._amsgrad:
+            raise NotImplementedError(_AMSGRAD_ON_KERNEL)
         else:
             self._step_triton(work, states, hyper_table(table))
         # beta^t of the next step, float32 products as Paddle's accumulators
@@ -405,17 +519,19 @@ class FusedAdamW(Optimizer):
             exp_avgs = [states[i].exp_avg for i in members]
             exp_avg_sqs = [states[i].exp_avg_sq for i in members]
             masters = [states[i].master for i in members] if kind[2] else None
+            maxes = [states[i].exp_avg_sq_max for i in members] if self._amsgrad else None
             random_key = (self._seed, self._step_count, index)
             group = self._host_groups.get(kind)
-            if group is None or not group.describes(params, exp_avgs, exp_avg_sqs, masters):
+            if group is None or not group.describes(params, exp_avgs, exp_avg_sqs, masters, maxes):
                 # (tensors that moved to another place have other addresses: checked again here)
                 if not all(p.place.is_cpu_place() for p in params):
                     adamw_multi_tensor_ref(params, grads, exp_avgs, exp_avg_sqs, masters, hyper_table(table[members]),
-                                           self._stochastic_rounding, random_key)
+                                           self._stochastic_rounding, random_key, maxes)
                     continue
-                on_kernel = kind[0] == paddle.float32 and kind[1] == paddle.float32 and not kind[2]
+                # (Paddle's fused_adam_ kernel has no AMSGrad)
+                on_kernel = kind[0] == paddle.float32 and kind[1] == paddle.float32 and not kind[2] and maxes is None
                 group = self._host_groups[kind] = KernelGroup(params, exp_avgs, exp_avg_sqs) if on_kernel else \
-                    HostGroup(params, exp_avgs, exp_avg_sqs, masters)
+                    HostGroup(params, exp_avgs, exp_avg_sqs, masters, maxes)
             group.step(grads, table[members] if isinstance(group, KernelGroup) else hyper_table(table[members]),
                        self._stochastic_rounding, random_key)
 
@@ -433,17 +549,17 @@ class FusedAdamW(Optimizer):
             masters = [states[i].master for i in members] if kind[2] else None
             place = params[0].place
             plan_key = kind + tuple((p.name, int(p.size)) for p in params)
-            if plan_key not in self._chunk_tables:
+            tables = self._tables.get(plan_key)
+            if tables is None:
                 check_group(params, grads, exp_avgs, exp_avg_sqs, masters)
                 chunk_tensor, first_chunk = plan_chunks([int(p.size) for p in params])
-                self._chunk_tables[plan_key] = (paddle.to_tensor(chunk_tensor, place=place), first_chunk)
-            chunk_tensor, first_chunk = self._chunk_tables[plan_key]
+                tables = [paddle.to_tensor(chunk_tensor, place=place), first_chunk, None]
+            self._tables.put(plan_key, tables)
+            chunk_tensor, first_chunk, cached = tables
             offsets = offsets_table(params, grads, exp_avgs, exp_avg_sqs, masters, first_chunk)
-            cached = self._offset_tables.get(plan_key)
             if cached is None or not np.array_equal(cached[0], offsets):  # grads move when reallocated
-                cached = (offsets, paddle.to_tensor(offsets, place=place),
-                          table_aligned(offsets, params, grads, exp_avgs, exp_avg_sqs, masters))
-                self._offset_tables[plan_key] = cached
+                cached = tables[2] = (offsets, paddle.to_tensor(offsets, place=place),
+                                      table_aligned(offsets, params, grads, exp_avgs, exp_avg_sqs, masters))
             # a synchronous host-to-device copy in Paddle: the GPU waits for the rest of this step's
             # host work (small once validated); see the module docstring
             hyper = paddle.to_tensor(np.ascontiguousarray(rows[members]), place=place)

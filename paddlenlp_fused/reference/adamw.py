@@ -260,15 +260,21 @@ def _checked_hyper(hyper, n: int) -> np.ndarray:
 
 class _HeldGroup:
     """The tensor lists a prepared group holds (``_lists``: params, moments and, where held, masters)
-    and their addresses when prepared (``_addresses``)."""
+    and their addresses when prepared (``_addresses``); ``_has_maxes``: the last list is AMSGrad's
+    second-moment maxima."""
+
+    _has_maxes = False
 
     @staticmethod
     def _addresses_of(lists) -> list:
         return [t.data_ptr() for ts in lists for t in ts]
 
-    def describes(self, params, exp_avgs, exp_avg_sqs, masters) -> bool:
+    def describes(self, params, exp_avgs, exp_avg_sqs, masters, exp_avg_sq_maxs=None) -> bool:
         """Whether the group still stands for these lists: the same tensors at the same addresses."""
-        lists = (params, exp_avgs, exp_avg_sqs) + ((masters,) if masters is not None else ())
+        lists = (params, exp_avgs, exp_avg_sqs) + ((masters,) if masters is not None else ()) + (
+            (exp_avg_sq_maxs,) if exp_avg_sq_maxs is not None else ())
+        if (exp_avg_sq_maxs is not None) != self._has_maxes:
+            return False
         return len(lists) == len(self._lists) and all(
             len(ts) == len(held) and all(t is h for t, h in zip(ts, held)) for ts, held in zip(lists, self._lists)) \
             and self._addresses_of(lists) == self._addresses
@@ -279,15 +285,20 @@ class HostGroup(_HeldGroup):
     the params, moments and masters checked once and held with their flat numpy views and the
     group's blocks, so that a step costs the update rather than Python over the tensors. The views do
     not keep tensors alive: the group holds them. ``describes`` says whether it still stands for
-    given lists (the same tensors at the same addresses)."""
+    given lists (the same tensors at the same addresses). ``exp_avg_sq_maxs``: AMSGrad's running
+    maxima of the second moments (as Paddle's AdamW(amsgrad=True): the step divides by the maximum),
+    or None."""
 
     def __init__(self, params: Sequence[paddle.Tensor], exp_avgs: Sequence[paddle.Tensor],
-                 exp_avg_sqs: Sequence[paddle.Tensor], masters: Optional[Sequence[paddle.Tensor]]):
+                 exp_avg_sqs: Sequence[paddle.Tensor], masters: Optional[Sequence[paddle.Tensor]],
+                 exp_avg_sq_maxs: Optional[Sequence[paddle.Tensor]] = None):
+        self._has_maxes = exp_avg_sq_maxs is not None
         self._lists = tuple(list(ts) for ts in (params, exp_avgs, exp_avg_sqs)) + (
-            (list(masters),) if masters is not None else ())
+            (list(masters),) if masters is not None else ()) + ((list(exp_avg_sq_maxs),) if self._has_maxes else ())
         self.sizes = [_numel(p) for p in params]
-        self._dtypes = [_check_list(name, ts, self.sizes)
-                        for name, ts in zip(("params", "exp_avgs", "exp_avg_sqs", "masters"), self._lists)]
+        names = ("params", "exp_avgs", "exp_avg_sqs") + (("masters",) if masters is not None else ()) + (
+            ("exp_avg_sq_maxs",) if self._has_maxes else ())
+        self._dtypes = [_check_list(name, ts, self.sizes) for name, ts in zip(names, self._lists)]
         self._views = [[_flat(t, dtype) for t in ts] for ts, dtype in zip(self._lists, self._dtypes)]
         self._addresses = self._addresses_of(self._lists)
         self._blocks = list(_block_pieces(self.sizes))
@@ -304,12 +315,14 @@ class HostGroup(_HeldGroup):
         g_views = [_flat(g, g_dtype) for g in grads]
         p_dtype, m_dtype, v_dtype = self._dtypes[:3]
         p_views, m_views, v_views = self._views[:3]
-        has_master = len(self._lists) == 4
+        has_master = len(self._lists) - self._has_maxes == 4
         w_dtype, w_views = (self._dtypes[3], self._views[3]) if has_master else (p_dtype, p_views)
+        x_dtype, x_views = (self._dtypes[-1], self._views[-1]) if self._has_maxes else (None, None)
         # a generator only for the outputs rounded stochastically (seeding one is not free)
         sr_param = not has_master and p_dtype in _SIXTEEN_BIT
         rng = [_bit_generator(tuple(random_key) + (i,)) if stochastic_rounding and used else None
-               for i, used in enumerate((m_dtype in _SIXTEEN_BIT, v_dtype in _SIXTEEN_BIT, sr_param))]
+               for i, used in enumerate((m_dtype in _SIXTEEN_BIT, v_dtype in _SIXTEEN_BIT, sr_param,
+                                         x_dtype in _SIXTEEN_BIT))]
         hyper = _checked_hyper(hyper, len(self.sizes))
         shared = [column[0] if (column == column[0]).all() else None for column in hyper.T]
         for pieces in self._blocks:
@@ -328,7 +341,13 @@ class HostGroup(_HeldGroup):
             np.multiply(g, one_minus_beta2, out=term)
             term *= g
             v += term
-            denom = np.sqrt(v, out=term)
+            if self._has_maxes:
+                v_max = _load(x_views, pieces, x_dtype)
+                np.maximum(v_max, v, out=v_max)
+                _store(v_max, x_views, pieces, x_dtype, rng[3], whole and x_dtype == "float32")
+                denom = np.sqrt(v_max, out=term)
+            else:
+                denom = np.sqrt(v, out=term)
             denom *= bias2_rsqrt
             denom += epsilon
             update = np.divide(m, denom, out=denom)
@@ -490,10 +509,12 @@ def _narrow(values: np.ndarray, pairs, views, pieces, dtype: str, r16: Optional[
 def adamw_multi_tensor_ref(params: Sequence[paddle.Tensor], grads: Sequence[paddle.Tensor],
                            exp_avgs: Sequence[paddle.Tensor], exp_avg_sqs: Sequence[paddle.Tensor],
                            masters: Optional[Sequence[paddle.Tensor]], hyper: np.ndarray,
-                           stochastic_rounding: bool = False, random_key: Sequence[int] = (0, 0)) -> None:
-    """One AdamW step of a group of parameters, in place: params, exp_avgs, exp_avg_sqs (and masters)
-    updated. The reference of ``adamw_multi_tensor``, with the same lists (one dtype per list, the
-    params, exp_avgs, exp_avg_sqs and masters contiguous).
+                           stochastic_rounding: bool = False, random_key: Sequence[int] = (0, 0),
+                           exp_avg_sq_maxs: Optional[Sequence[paddle.Tensor]] = None) -> None:
+    """One AdamW step of a group of parameters, in place: params, exp_avgs, exp_avg_sqs (and masters,
+    and AMSGrad's ``exp_avg_sq_maxs``: see ``HostGroup``) updated. The reference of
+    ``adamw_multi_tensor``, with the same lists (one dtype per list, the params, exp_avgs,
+    exp_avg_sqs and masters contiguous).
 
     ``hyper``: float32 [n, 8], row i the scalars of tensor i (module docstring). ``masters``: fp32
     weights of 16-bit params, or None (the params themselves are updated through fp32).
@@ -504,7 +525,8 @@ def adamw_multi_tensor_ref(params: Sequence[paddle.Tensor], grads: Sequence[padd
     the same CPU tensors, ``HostGroup`` checks them and builds their views once.
     """
     n = len(params)
-    lists = (params, grads, exp_avgs, exp_avg_sqs) + ((masters,) if masters is not None else ())
+    optional = [ts for ts in (masters, exp_avg_sq_maxs) if ts is not None]
+    lists = (params, grads, exp_avgs, exp_avg_sqs, *optional)
     if any(len(ts) != n for ts in lists):
         raise ValueError(f"adamw_multi_tensor_ref: expected {n} tensors in every list, got {[len(ts) for ts in lists]}")
     hyper = _checked_hyper(hyper, n)
@@ -512,14 +534,16 @@ def adamw_multi_tensor_ref(params: Sequence[paddle.Tensor], grads: Sequence[padd
         return
     if not all(t.place.is_cpu_place() for ts in lists for t in ts):  # through host copies
         host = [[t.cpu() for t in ts] for ts in lists]
-        adamw_multi_tensor_ref(*host[:4], host[4] if masters is not None else None, hyper, stochastic_rounding,
-                               random_key)
+        rest = iter(host[4:])
+        adamw_multi_tensor_ref(*host[:4], next(rest) if masters is not None else None, hyper, stochastic_rounding,
+                               random_key, next(rest) if exp_avg_sq_maxs is not None else None)
         for k, (ts, hs) in enumerate(zip(lists, host)):
             if k != 1:  # every list but the grads was written
                 for t, h in zip(ts, hs):
                     paddle.assign(h._copy_to(t.place, True), output=t)
         return
-    HostGroup(params, exp_avgs, exp_avg_sqs, masters).step(grads, hyper, stochastic_rounding, random_key)
+    HostGroup(params, exp_avgs, exp_avg_sqs, masters, exp_avg_sq_maxs).step(grads, hyper, stochastic_rounding,
+                                                                          random_key)
 
 
 def adamw_step_ref(param: paddle.Tensor, grad: paddle.Tensor, exp_avg: paddle.Tensor,
