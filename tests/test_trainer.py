@@ -101,6 +101,31 @@ def _counting_recompute(run_model):
     return result
 
 
+def _pipeline_pieces():
+    """LlamaForCausalLMPipe (one stage: fleet's pipeline has no gloo send, see docs/distributed.md):
+    loss and gradients before and after swap_fused_layers, and what the swap replaced."""
+    import paddle
+
+    from paddlenlp_fused.integrations.paddlenlp import swap_fused_layers
+    from paddlenlp_fused.testing import trainer as T
+
+    model = T.build_pipe_model()
+    ids = paddle.to_tensor(T.TokenDataset().ids[:2])
+
+    def loss_and_grads():
+        loss = T.pipe_loss(model, ids)
+        loss.backward()
+        grads = {name: p.grad.numpy().tolist() for name, p in model.named_parameters() if p.grad is not None}
+        model.clear_gradients()
+        return float(loss), grads
+
+    plain = loss_and_grads()
+    report = swap_fused_layers(model, backend="reference")
+    fused = loss_and_grads()
+    return dict(plain=plain, fused=fused, swapped=report.swapped, skipped=report.skipped,
+                stages=[type(layer).__name__ for layer in model.run_function])
+
+
 def _tensor_parallel_body():
     """LLaMA, tensor parallel 2 + sequence parallel: our layers with Paddle's AdamW; the same with
     FusedAdamW; our layers with recompute (granularity full; the others run in one process)."""
@@ -116,12 +141,13 @@ def _tensor_parallel_body():
 
 
 def _sharding_body():
-    """GPT, sharding stage 1 over 2 ranks: plain; our layers; our layers with FusedAdamW."""
+    """GPT, sharding stage 1 over 2 ranks: plain; our layers with Paddle's AdamW; our layers with
+    FusedAdamW. Then the pipeline model's pieces (fleet is initialised without model parallelism here)."""
     from paddlenlp_fused.testing import trainer as T
 
     args = T.make_args(os.path.join(os.environ[OUT_ENV], "sharding"), sharding="stage1", per_device_train_batch_size=1)
     results = {"plain": _run("gpt", args, False, False), "layers": _run("gpt", args, True, False),
-               "fused_adamw": _run("gpt", args, True, True)}
+               "fused_adamw": _run("gpt", args, True, True), "pipeline": _pipeline_pieces()}
     _write("sharding_stage1", results)
 
 
@@ -152,6 +178,8 @@ def results(tmp_path_factory):
             "mamba_fused": _run("mamba", T.make_args(out / "mamba_fused"), True, True),
         }}
         found["single_process"].update(_checkpoint_runs(out))
+        amp = dict(bf16=True, fp16_opt_level="O2", amp_master_grad=True)  # fp32 on CPU: Paddle's AMP is GPU-only
+        found["single_process"]["llama_master_grad"] = _run("llama", T.make_args(out / "amp", **amp), True, True)
         for granularity in GRANULARITIES[1:]:
             found["single_process"][f"llama_recompute_{granularity}"] = _counting_recompute(lambda: _run(
                 "llama", T.make_args(out / granularity, recompute=True), True, True, recompute=True,
@@ -163,6 +191,8 @@ def results(tmp_path_factory):
     for layout in ("tensor_parallel", "sharding_stage1"):
         ranks = [json.load(open(out / f"{layout}.{rank}.json")) for rank in range(2)]
         for name, run in ranks[0].items():  # rank 0's run, failed where any rank's failed
+            if name == "pipeline":
+                continue
             errors = [f"rank {rank}: {r[name]['error']}" for rank, r in enumerate(ranks) if "error" in r[name]]
             if errors:
                 run["error"] = "\n".join(errors)
@@ -227,6 +257,14 @@ def test_single_process_gpt_fused_layers_and_fused_adamw(results):
     assert_same_run(runs["gpt_fused"], runs["gpt_plain"])
 
 
+def test_amp_master_grad(results):
+    """--amp_master_grad wraps the optimizer in fleet's MixPrecisionOptimizer (gradients in main_grad),
+    on CPU too, where Paddle applies no AMP: our layers and FusedAdamW inside it equal the plain run."""
+    run = results["single_process"]["llama_master_grad"]
+    assert run.get("optimizer") == "FusedAdamW", run
+    assert_same_run(run, results["single_process"]["llama_plain"])
+
+
 def test_checkpoint_resume(results):
     """save_steps=2, then resume_from_checkpoint (model, FusedAdamW's state, scheduler, data position):
     the resumed steps continue the uninterrupted run."""
@@ -236,14 +274,38 @@ def test_checkpoint_resume(results):
     assert_same_run(resumed, whole, steps=slice(2, None))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 28 items 1-2: FusedAdamW ignores the clip fleet installs "
-                   "(HybridParallelClipGrad) and has no _apply_optimize for DygraphShardingOptimizer")
 @pytest.mark.parametrize("layout,reference", [("tensor_parallel", ("single_process", "llama_plain")),
                                               ("sharding_stage1", ("sharding_stage1", "plain"))])
 def test_fused_adamw_under_fleet(results, layout, reference):
+    """Our layers and FusedAdamW inside fleet's HybridParallelOptimizer (tensor parallel: the global norm
+    by HybridParallelClipGrad) and DygraphShardingOptimizer (its _apply_optimize) equal the plain run
+    (issue 28 items 1-2: per-rank clipping, NotImplementedError in sharding before the fix)."""
     run = results[layout]["fused_adamw"]
     assert_same_run(run, results[reference[0]][reference[1]])
     assert run["optimizer"] == "FusedAdamW"
+
+
+def test_pipeline_model_swap(results):
+    """swap_fused_layers on LlamaForCausalLMPipe (fleet's PipelineLayer) swaps the stage layers' MLP and
+    norms, and the pipe's loss and every gradient stay the plain ones."""
+    pipe = results["sharding_stage1"]["pipeline"]
+    assert pipe["stages"] == ["LlamaEmbeddingPipe", "LlamaDecoderLayerPipe", "LlamaRMSNormPipe", "LlamaLMHeadPipe"]
+    assert pipe["swapped"].get("llama_mlp") == 1 and pipe["swapped"].get("rms_norm") == 3, pipe["swapped"]
+    (loss_ref, grads_ref), (loss, grads) = pipe["plain"], pipe["fused"]
+    assert abs(loss - loss_ref) <= LOSS_RTOL * abs(loss_ref)
+    assert grads.keys() == grads_ref.keys() and grads
+    total = np.sqrt(sum(np.sum(np.square(g)) for g in grads_ref.values()))
+    for name, ref in grads_ref.items():
+        ref, new = np.asarray(ref), np.asarray(grads[name])
+        assert np.isfinite(new).all(), name
+        assert np.linalg.norm(new - ref) <= PARAM_RTOL * max(np.linalg.norm(ref), 1e-3 * total), name
+
+
+@pytest.mark.xfail(strict=True, reason="swap_fused_layers does not reach a PipelineLayer's LM head and loss "
+                   "(LlamaLMHeadPipe, _loss_fn): no linear_cross_entropy in the last stage, and no skip reason")
+def test_pipeline_model_head_swapped_or_reported(results):
+    pipe = results["sharding_stage1"]["pipeline"]
+    assert pipe["swapped"].get("lm_head") == 1 or any("head" in str(reason) for reason in pipe["skipped"])
 
 
 def test_fleet_contract_covered(results):
@@ -251,5 +313,6 @@ def test_fleet_contract_covered(results):
     is the other tests')."""
     for kind, layouts in FLEET_CONTRACT.items():
         for layout in layouts:
-            held = set().union(*(run.get("kinds", ()) for run in results[layout].values() if "error" not in run))
+            held = set().union(*(run.get("kinds", ()) for name, run in results[layout].items()
+                                 if name != "pipeline" and "error" not in run))
             assert kind in held, (kind, layout, sorted(held))

@@ -84,6 +84,29 @@ def build_model(family: str, tensor_parallel_degree: int = 1, tensor_parallel_ra
     return model
 
 
+def build_pipe_model(seed: int = 0):
+    """PaddleNLP's ``LlamaForCausalLMPipe`` (a fleet ``PipelineLayer``) of ``CONFIGS["llama"]``, after
+    ``fleet.init``. ``PipelineLayer`` reads ``ParallelEnv().device_id``, which a CPU build does not set
+    (Paddle 3.3.1: ``AttributeError: 'ParallelEnv' object has no attribute '_device_id'``): device 0 is
+    given it."""
+    import paddle
+    import paddle.distributed as dist
+    from paddle.utils import unique_name
+    from paddlenlp.transformers import LlamaConfig, LlamaForCausalLMPipe
+
+    paddle.seed(seed)
+    with mock.patch.object(dist.ParallelEnv, "device_id", property(lambda self: 0)), unique_name.guard():
+        return LlamaForCausalLMPipe(LlamaConfig(**CONFIGS["llama"]))
+
+
+def pipe_loss(model, ids):
+    """A ``PipelineLayer``'s loss run in one process: its stage layers in order, then its loss function."""
+    hidden = ids
+    for layer in model.run_function:
+        hidden = layer(hidden)
+    return model._loss_fn[0](hidden, ids)
+
+
 class TokenDataset:
     """``SAMPLES`` fixed random token sequences (labels = inputs: the causal-LM models shift them)."""
 
