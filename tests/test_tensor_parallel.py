@@ -81,6 +81,25 @@ def _linear_body():
         _close(f"{tag} row dweight", ours[4], _shard(ref[4], 0, r))
         _close(f"{tag} row dbias", ours[5], ref[5])
 
+    # every dtype on CPU (the replicated bias added after the reduction had no 16-bit CPU kernel), against float32
+    ref = _dense(X[..., :F], [W2, B2], lambda x, w, b: paddle.matmul(x, w) + b, dY)
+    for dtype in ("float32", "bfloat16", "float16"):
+        paddle.set_default_dtype(dtype)  # the layer's parameters in dtype
+        try:
+            row = RowParallelLinear(F, D, input_is_parallel=True, backend="reference")
+        finally:
+            paddle.set_default_dtype("float32")
+        for param, value in ((row.weight, _shard(W2, 0, r)), (row.bias, B2)):
+            param.set_value(paddle.to_tensor(value).astype(dtype))
+        x = paddle.to_tensor(_shard(X[..., :F], 2, r)).astype(dtype)
+        x.stop_gradient = False
+        out = row(x)
+        out.backward(paddle.to_tensor(dY).astype(dtype))
+        assert out.dtype == x.dtype and row.bias.grad.dtype == x.dtype, (dtype, out.dtype, row.bias.grad.dtype)
+        for name, ours, want in (("out", out, ref[0]), ("dx", x.grad, _shard(ref[1], 2, r)),
+                                 ("dweight", row.weight.grad, _shard(ref[2], 0, r)), ("dbias", row.bias.grad, ref[3])):
+            assert_close(f"{dtype} row {name}", ours.astype("float32").numpy(), want, dtype)
+
     # sharded weights initialised under fleet's model-parallel RNG state: distinct on each rank,
     # while the global RNG stream stays the same on both
     from paddle.distributed.fleet.layers.mpu.random import model_parallel_random_seed

@@ -34,7 +34,13 @@ sublayers' classes; a model of none of them is reported as such (its class and m
   ``ops.linear_cross_entropy`` and never materialises the ``[batch, seq, vocab]`` logits; with a
   vocabulary-parallel head the op runs over fleet's model-parallel group (``tp_group``), with
   ``sequence_parallel`` on this rank's rows (``sequence_parallel=True``). ChatGLMv2's head (in the base
-  model, its criterion outside) is left, reported.
+  model, its criterion outside) is left, reported;
+- pipeline models (fleet's ``PipelineLayer``: ``LlamaForCausalLMPipe``, ``Qwen2ForCausalLMPipe``...): the stage
+  layers as above, and on the last stage its LM head (``LlamaLMHeadPipe`` and kin, tied ones included: the head
+  holding the shared embedding weight) -> ``FusedLMHeadPipe`` and the pretraining criterion in ``_loss_fn`` ->
+  ``FusedCausalLMCriterion``: fleet runs the stages, then ``_loss_fn`` on their output, so in training mode the
+  head defers and the loss is ``linear_cross_entropy``'s; in eval mode the logits are computed. What cannot be
+  swapped (another loss function, a tied model built as one stage, virtual stages) is reported with the reason.
 
 How the LM head is swapped: the model's own ``forward`` is untouched. A forward pre-hook on the model
 (the layer owning ``lm_head``) looks for ``labels`` among the call's arguments; while a labelled call
@@ -88,6 +94,9 @@ from .paddlenlp_parallel import VocabParallelEmbedding, fleet_classes, parallel_
 LOGITS_NOTE = "lm_head with labels: the model returns logits=None (the loss is computed without materialising them)"
 MAMBA_HEAD_NOTE = ("Mamba lm_head: MambaForCausalLM computes its loss inline in forward (no criterion sublayer to "
                    "swap); linear_cross_entropy on the backbone's hidden states computes it without logits")
+PIPELINE_HEAD_NOTE = ("pipeline: the last stage's head defers its logits in training mode (fleet's train_batch "
+                      "feeds them to _loss_fn, which computes the loss with linear_cross_entropy); in eval mode "
+                      "(eval_batch, generation) it computes them and the original criterion runs")
 ATTENTION_NOTE = "attention (softmax(QK^T)V, rotary or position embeddings) stays PaddleNLP's"
 
 
@@ -493,7 +502,7 @@ class FusedLMHead(nn.Layer):
     def forward(self, hidden_states, tensor_parallel_output=None):
         """hidden_states [batch, seq, hidden] (sequence parallel: [batch * seq / n, hidden]) -> logits
         [batch, seq, vocab or vocab / n] (DeferredLogits if ``defer``)."""
-        if self.defer:
+        if self.defers():
             return DeferredLogits(hidden_states, self.head_weight, self.transpose_y, self.tp_group,
                                   self.sequence_parallel)
         if self.tp_group is None and not self.sequence_parallel:
@@ -503,10 +512,23 @@ class FusedLMHead(nn.Layer):
         return parallel_logits(hidden_states, self.head_weight, self.transpose_y, self.tp_group,
                                self.sequence_parallel, self.config.seq_length, tensor_parallel_output)
 
+    def defers(self) -> bool:
+        return self.defer
+
     def extra_repr(self) -> str:
         ranks = self.tp_group.world_size if self.tp_group is not None else 1
         return (f"{self.weight_name}={list(self.head_weight.shape)}, transpose_y={self.transpose_y}, "
                 f"tensor_parallel={ranks}, sequence_parallel={self.sequence_parallel}")
+
+
+class FusedLMHeadPipe(FusedLMHead):
+    """The LM head of a pipeline model's last stage (``LlamaLMHeadPipe`` and kin). Fleet's ``PipelineParallel``
+    calls the stages' ``forward`` and then ``_loss_fn`` on the output without passing labels through the model, and
+    its ``train_batch`` always computes the loss: so this head defers while the layer is in training mode, and in
+    eval mode (``eval_batch``, generation, where the loss is optional) computes the logits as the original."""
+
+    def defers(self) -> bool:
+        return self.training
 
 
 class FusedCausalLMCriterion(nn.Layer):
@@ -559,8 +581,8 @@ class FusedCausalLMCriterion(nn.Layer):
         return f"ignore_index={self.ignore_index}, count={self.count}, backend={self.backend}"
 
 
-def _lm_head_blocker(owner, head_spec: HeadSpec) -> str | None:
-    config = owner.lm_head.config
+def _lm_head_blocker(head, head_spec: HeadSpec) -> str | None:
+    config = head.config
     for degree in ("sep_parallel_degree", "context_parallel_degree"):
         if int(getattr(config, degree, 1) or 1) > 1:
             return f"{degree} > 1: the criterion's loss concat over that group is kept (not wired in)"
@@ -569,7 +591,7 @@ def _lm_head_blocker(owner, head_spec: HeadSpec) -> str | None:
                 "(paddlenlp_fused.integrations.enable() points that loss at our op)")
     if int(getattr(config, "num_nextn_predict_layers", 0) or 0) > 0:
         return "num_nextn_predict_layers > 0: the multi-token-prediction losses are kept (not wired in)"
-    weight = getattr(owner.lm_head, head_spec.weight)
+    weight = getattr(head, head_spec.weight)
     if getattr(weight, "is_distributed", False) and comm.model_parallel_group() is None:
         return "the head's weight is marked distributed but fleet's model-parallel group has one rank (or none)"
     return None
@@ -584,7 +606,7 @@ def _labels_of(signature: inspect.Signature, owner, args, kwargs):
 
 def _swap_lm_head(owner: nn.Layer, head_spec: HeadSpec, criterion_spec: CriterionSpec, backend: str):
     """(new head, new criterion) for ``owner`` (a causal-LM model), hooks installed, or the reason not."""
-    blocker = _lm_head_blocker(owner, head_spec)
+    blocker = _lm_head_blocker(owner.lm_head, head_spec)
     if blocker:
         return blocker
     signature = inspect.signature(type(owner).forward)
@@ -847,6 +869,72 @@ def _swap_lm_heads(model, classes, lm_head: bool, backend: str, report: SwapRepo
             counts[name] += 1
 
 
+def _pipeline_head_blocker(model, stage, head_entry, criterion_index) -> str | None:
+    if model._num_virtual_pipeline_stages > 1:
+        return "virtual pipeline stages > 1: the interleaved chunks' run functions are not wired in"
+    if model._recompute_interval > 0:
+        return "pipeline recompute_interval > 0: fleet's recompute of the last segment needs tensor outputs"
+    if not (head_entry and head_entry[0] == "lm_head"):
+        shared = any(stage is layer for layer in model.shared_layers.values())
+        return (f"the last stage layer is {type(stage).__name__}, not a family's LM head"
+                + (" (a tied model on one stage: PaddleNLP runs the shared embedding layer there, its own forward "
+                   "fails the same)" if shared else ""))
+    if criterion_index is None:
+        names = ", ".join(type(fn).__name__ for fn in model._loss_fn)
+        return f"the pipeline's loss function ({names}) is not a family's pretraining criterion: it needs the logits"
+    return _lm_head_blocker(stage, head_entry[2])
+
+
+def _swap_pipeline_head(model, classes, lm_head: bool, backend: str, report: SwapReport, counts: Counter,
+                        replaced) -> bool:
+    """A fleet ``PipelineLayer`` (PaddleNLP's ``*ForCausalLMPipe``): its last stage layer, the LM head, ->
+    ``FusedLMHeadPipe`` (in ``run_function`` and wherever it is a sublayer: ``shared_layers`` for a tied head)
+    and its pretraining criterion in ``_loss_fn`` -> ``FusedCausalLMCriterion``. Returns whether ``model`` is a
+    pipeline layer."""
+    try:
+        from paddle.distributed.fleet.meta_parallel import PipelineLayer
+    except ImportError:  # a Paddle build without fleet has no pipeline models
+        return False
+    if not isinstance(model, PipelineLayer):
+        return False
+    if model._stage_id != model._num_stages - 1:
+        report.notes.append(f"pipeline stage {model._stage_id} of {model._num_stages}: no LM head here (the last "
+                            "stage's swap fuses it)")
+        return True
+    stage = model.run_function[-1] if model.run_function else None
+    head_entry = _entry(classes, stage, None) if isinstance(stage, nn.Layer) else None
+    criterion_index = next((i for i, fn in enumerate(model._loss_fn)
+                            if isinstance(fn, nn.Layer) and (_entry(classes, fn, None) or ("",))[0] == "criterion"),
+                           None)
+    parents = [(prefix, parent, name) for prefix, parent in model.named_sublayers(include_self=True)
+               for name, layer in parent._sub_layers.items() if layer is stage]
+    path = next((f"{prefix}.{name}" if prefix else name for prefix, _, name in parents), "run_function[-1]")
+    if head_entry and head_entry[0] == "left":  # reported by the sublayer pass, with its family's reason
+        return True
+    reason = _pipeline_head_blocker(model, stage, head_entry, criterion_index) if lm_head else "lm_head=False"
+    report.kinds[path] = "lm_head"
+    if reason:
+        report.skipped.append((path, reason))
+        return True
+    head = FusedLMHeadPipe(stage, head_entry[2])
+    head.train(stage.training)
+    original = model._loss_fn[criterion_index]
+    criterion = FusedCausalLMCriterion(original, _entry(classes, original)[2], backend)
+    model.run_function[-1] = head
+    for _, parent, name in parents:
+        parent._sub_layers[name] = head
+    model._loss_fn[criterion_index] = criterion
+    loss_path = f"_loss_fn[{criterion_index}]"
+    report.kinds[loss_path] = "criterion"
+    report.swapped_paths += [(path, f"{type(stage).__name__} -> FusedLMHeadPipe"),
+                             (loss_path, f"{type(original).__name__} -> FusedCausalLMCriterion")]
+    replaced.append(path)
+    counts["lm_head"] += 1
+    counts["criterion"] += 1
+    report.notes.append(PIPELINE_HEAD_NOTE)
+    return True
+
+
 def swap_fused_layers(model: nn.Layer, norms: bool = True, mlp: bool = True, mamba: bool = True,
                       lm_head: bool = True, tensor_parallel: bool = True, backend: str = "auto") -> SwapReport:
     """Replace, in place, the norms (``norms``), MLPs and MoE experts' MLPs (``mlp``), Mamba mixers
@@ -873,13 +961,14 @@ def swap_fused_layers(model: nn.Layer, norms: bool = True, mlp: bool = True, mam
     # fleet's parallel layers first, so that the MLP swaps find ours under an MLP / GPT layer
     _swap_sublayers(model, {}, options, backend, report, counts, replaced, parallel_only=True)
     _swap_lm_heads(model, classes, lm_head, backend, report, counts, replaced)
+    pipeline = _swap_pipeline_head(model, classes, lm_head, backend, report, counts, replaced)
     _swap_sublayers(model, classes, options, backend, report, counts, replaced, parallel_only=False)
     report.swapped = dict(counts)
     if not families:
         where = ", ".join(modules) or f"{type(model).__module__} (not PaddleNLP's)"
         report.notes.append(f"{type(model).__name__}: no family swap_fused_layers knows (its classes come from "
                             f"{where}); known: {', '.join(FAMILIES)}")
-    if counts["lm_head"]:
+    if counts["lm_head"] and not pipeline:
         report.notes.append(LOGITS_NOTE)
     for name in families:
         report.notes += [note for note in FAMILIES[name].notes if note not in report.notes]

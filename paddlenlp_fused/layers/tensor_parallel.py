@@ -29,6 +29,7 @@ import paddle.distributed as dist
 import paddle.nn as nn
 
 from ..distributed import comm
+from ..ops._pylayer import add
 from ..ops.fused_dense import GATED, check_mlp_options, fused_dense_func, fused_mlp_func
 from . import _args
 from .fused_dense import fused_dense_options
@@ -152,7 +153,7 @@ class RowParallelLinear(nn.Layer):
         out = fused_dense_func(x, self.weight, backend=self.backend)
         out = comm.reduce_scatter_sequence(out, self.pg) if self.sequence_parallel else \
             comm.reduce_from_parallel(out, self.pg)
-        return out + self.bias if self.bias is not None else out
+        return add(out, self.bias) if self.bias is not None else out  # add: no 16-bit CPU kernel
 
 
 class ParallelFusedMLP(nn.Layer):
