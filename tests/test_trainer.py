@@ -172,6 +172,7 @@ def _pipeline_pieces():
     tied.run_function[-1] = head
     tied.add_sublayer(str(len(tied.run_function) - 1), head)
     found["tied"] = pieces(tied)
+    found["tied"]["shares_embedding_weight"] = tied.run_function[-1].embedding_weight is head.weight
     for family in ("qwen2", "qwen"):
         found[family] = pieces(family_pipe(*PIPE_FAMILIES[family]))
     found["chatglm_v2_skipped"] = swap_fused_layers(family_pipe(*PIPE_FAMILIES["chatglm_v2"]),
@@ -349,6 +350,8 @@ def test_pipeline_model_swap(results, case):
         assert pipe["stages"] == ["LlamaEmbeddingPipe", "LlamaDecoderLayerPipe", "LlamaRMSNormPipe",
                                   "FusedLMHeadPipe"], pipe["stages"]
         assert pipe["swapped"].get("llama_mlp") == 1 and pipe["swapped"].get("rms_norm") == 3, pipe["swapped"]
+    if case == "tied":  # the attribute fleet's SharedLayerDesc(shared_weight_attr="embedding_weight") reads
+        assert pipe["shares_embedding_weight"]
     assert pipe["stages"][-1] == "FusedLMHeadPipe", pipe["stages"]
     assert pipe["swapped"].get("lm_head") == 1 and pipe["swapped"].get("criterion") == 1, pipe["swapped"]
     loss_paths = [change for path, change in pipe["paths"] if path == "_loss_fn[0]"]

@@ -530,6 +530,11 @@ class FusedLMHeadPipe(FusedLMHead):
     def defers(self) -> bool:
         return self.training
 
+    @property
+    def embedding_weight(self):
+        """The attribute PaddleNLP's ``SharedLayerDesc`` names as the shared weight (``shared_weight_attr``)."""
+        return self.head_weight
+
 
 class FusedCausalLMCriterion(nn.Layer):
     """A PaddleNLP causal-LM criterion (``CriterionSpec``): on ``DeferredLogits`` the same mean loss through
