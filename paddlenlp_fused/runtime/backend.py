@@ -79,22 +79,21 @@ def _carry_into_recompute() -> None:
     except ImportError:  # pragma: no cover - a Paddle without fleet's recompute
         return
 
-    def composed_get(other):
-        return lambda: (_override.get(), other() if other else None)
+    others = {"custom_get_state_func": [], "custom_set_state_func": []}  # registered by others, in order
 
-    def composed_set(other):
-        def set_state(state):
-            _override.set(state[0])
-            if other:
-                other(state[1])
-        return set_state
+    def get_state():
+        return _override.get(), [get() for get in others["custom_get_state_func"]]
 
-    def register(attribute, compose):
-        setattr(manager, attribute, compose(getattr(manager, attribute)))
-        setattr(manager, "set_" + attribute, lambda func: setattr(manager, attribute, compose(func)))
+    def set_state(state):
+        _override.set(state[0])
+        for set_other, other_state in zip(others["custom_set_state_func"], state[1]):
+            set_other(other_state)
 
-    register("custom_get_state_func", composed_get)
-    register("custom_set_state_func", composed_set)
+    for attribute, ours in (("custom_get_state_func", get_state), ("custom_set_state_func", set_state)):
+        if getattr(manager, attribute) is not None:
+            others[attribute].append(getattr(manager, attribute))
+        setattr(manager, attribute, ours)
+        setattr(manager, "set_" + attribute, others[attribute].append)
 
 
 def _env_interpret() -> bool:
