@@ -553,11 +553,16 @@ def _amp_params():
     return params
 
 
-def _amp_run(case, target, weights):
+def _amp_run(case, target, weights, level):
     """Outputs and gradients (by name) of the fused call on ``target`` (a backend, or a layer of
-    ``case``'s dtypes) with ``case``'s low-precision inputs."""
+    ``case``'s dtypes) with ``case``'s low-precision inputs, the forward under Paddle's
+    ``auto_cast`` of ``level`` (a layer also through ``decorate`` at O2), the backward after it, as
+    a training step runs them. (Paddle's CPU build runs both as no-ops: the amp level stays O0.)"""
     leaves = case.leaves()
-    outs = _outputs(case.entry.fused(target, **{**case.values, **leaves}))
+    if level == "O2" and isinstance(target, paddle.nn.Layer):
+        target = paddle.amp.decorate(models=target, level="O2", dtype="bfloat16")
+    with paddle.amp.auto_cast(level=level, dtype="bfloat16"):
+        outs = _outputs(case.entry.fused(target, **{**case.values, **leaves}))
     _loss(outs, weights).backward()
     sources = list(leaves.items())
     if case.layer is not None:
@@ -574,6 +579,7 @@ def _bfloat16_values(t):
     return t.astype("bfloat16").astype(t.dtype)
 
 
+@pytest.mark.filterwarnings("ignore:amp_guard can only be enabled")  # (Paddle's CPU build: see _amp_run)
 @pytest.mark.parametrize("entry,level,backend", _amp_params())
 def test_amp_dtypes(entry, level, backend):
     """O1: bfloat16 activations, float32 weights; O2: bfloat16 everything. Gradients come in each
@@ -608,8 +614,9 @@ def test_amp_dtypes(entry, level, backend):
                 for p in layer.parameters():
                     p.set_value(_bfloat16_values(p))
     expected_outs, weights, expected_grads = case.expected()
-    outs, grads = _amp_run(case, case.layer if case.layer is not None else backend, weights)
-    base_outs, base_grads = _amp_run(case, baseline_layer if baseline_layer is not None else "reference", weights)
+    outs, grads = _amp_run(case, case.layer if case.layer is not None else backend, weights, level)
+    base_outs, base_grads = _amp_run(case, baseline_layer if baseline_layer is not None else "reference", weights,
+                                     level)
     checks = [(f"{level} output {i}", o, b, e, True) for i, (o, b, e) in enumerate(zip(outs, base_outs, expected_outs))]
     checks += [(f"{level} d{n}", g, base_grads[n], expected_grads[n], n in entry.low_precision) for n, g in grads.items()]
     for name, got, base, ref, per_token in checks:
