@@ -34,14 +34,17 @@ class TritonPyLayer(PyLayer):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        wrappers = {"forward": _recording_outputs, "backward": _materializing_grads}
+        wrappers = {"forward": _recording_forward,
+                    "backward": functools.partial(_checked_backward, op=cls.op or cls.__name__)}
         for name, wrap in wrappers.items():
             method = vars(cls).get(name)
             if isinstance(method, staticmethod):
-                setattr(cls, name, staticmethod(triton_scoped(wrap(method.__func__, cls))))
+                setattr(cls, name, staticmethod(triton_scoped(wrap(method.__func__))))
 
 
-def _recording_outputs(forward, cls):
+def _recording_forward(forward):
+    """The forward, recording its outputs' shapes (for the zeros) and the versions of what the
+    backward reads."""
     names = list(inspect.signature(forward).parameters)[1:]
 
     def wrapped(ctx, *args, **kwargs):
@@ -107,9 +110,8 @@ def _check_versions(op, versions):
                 f"on a clone")
 
 
-def _materializing_grads(backward, cls):
-    op = cls.op or cls.__name__
-
+def _checked_backward(backward, op):
+    """The backward, refusing double backward and in-place edits, with the zero gradients made."""
     def wrapped(ctx, *grads):
         if paddle.is_grad_enabled():  # (only under create_graph=True: Paddle runs backward without grad)
             raise NotImplementedError(
