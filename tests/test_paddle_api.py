@@ -10,6 +10,8 @@ stream lookup works on a Paddle without ``paddle._C`` (Paddle 3.2; it raised Att
 
 import ctypes
 import inspect
+import signal
+import subprocess
 import sys
 import types
 
@@ -233,3 +235,84 @@ def test_grad_of_the_norm_output_without_its_residual_stream():
         grads[backend] = paddle.grad([y], inputs, [dy])
     for got, want in zip(grads["triton"], grads["reference"]):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+class _KeepsInputs(TritonPyLayer):
+    """x * w, keeping x as a ctx attribute and w through save_for_backward."""
+
+    op = "keeps_inputs"
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(w)
+        ctx.kept = (x,)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, dy):
+        (w,) = ctx.saved_tensor()
+        return dy * w, dy * ctx.kept[0]
+
+
+@pytest.mark.parametrize("edited", ["x", "w", "neither"])
+def test_inplace_edit_of_a_tensor_the_backward_reads_raises(edited):
+    """Saved by save_for_backward or kept as a ctx attribute, edited through a view (a reshape shares
+    the version): the backward raises Paddle's in-place error naming the op and the input; an edit of
+    the output, which the backward does not read, does not raise."""
+    x, w = paddle.to_tensor([1.0, 2.0, 3.0, 4.0]), paddle.to_tensor([0.5, 1.5, 2.5, 3.5])
+    x.stop_gradient = w.stop_gradient = False
+    xs, ws = x * 1.0, w * 1.0
+    y = _KeepsInputs.apply(xs, ws)
+    if edited == "neither":
+        y.scale_(2.0)
+        y.sum().backward()
+        np.testing.assert_array_equal(x.grad.numpy(), 2.0 * w.numpy())
+        return
+    {"x": xs, "w": ws}[edited].reshape([2, 2]).scale_(2.0)
+    with pytest.raises(OSError, match=rf"\(PermissionDenied\) keeps_inputs: input '{edited}', used in gradient "
+                                      r"computation, has been modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_double_backward_through_a_pylayer_raises():
+    x, w = paddle.to_tensor([1.0, 2.0]), paddle.to_tensor([3.0, 4.0])
+    x.stop_gradient = w.stop_gradient = False
+    with pytest.raises(OSError, match=r"NotImplementedError: keeps_inputs: double backward \(paddle.grad\(\.\.\., "
+                                      r"create_graph=True\)\) is not implemented"):
+        paddle.grad((_KeepsInputs.apply(x, w) ** 2).sum(), [x, w], create_graph=True)
+
+
+_SECOND_BACKWARD = """
+import paddle
+from paddle.autograd import PyLayer
+
+class Double(PyLayer):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, dy):
+        print("backward", flush=True)
+        return dy * 2.0
+
+x = paddle.ones([3])
+x.stop_gradient = False
+loss = Double.apply(x * 1.0).sum()
+loss.backward(retain_graph=True)
+print("first backward done", flush=True)
+loss.backward()
+print("second backward done", x.grad.numpy().tolist(), flush=True)
+"""
+
+
+def test_a_second_backward_through_a_pylayer_crashes_paddle():
+    """Paddle 3.3.1 segfaults in GradNodePyLayer on a second backward over a retained graph, before
+    the PyLayer's backward runs (so no base class can turn it into an error); docs/autograd.md gives
+    the ways round it. When this fails because the second backward passes (x.grad [4, 4, 4]), Paddle
+    fixed it: run the contract's accumulation check with retain_graph, then drop the limit from the
+    docs and this test."""
+    proc = subprocess.run([sys.executable, "-c", _SECOND_BACKWARD], capture_output=True, text=True, timeout=300)
+    assert proc.stdout.count("backward\n") == 1 and "first backward done" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert proc.returncode == -signal.SIGSEGV or "Segmentation fault" in proc.stderr, \
+        f"rc {proc.returncode}: {proc.stdout}{proc.stderr[-2000:]}"

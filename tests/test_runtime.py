@@ -35,6 +35,46 @@ def test_use_backend_and_env_default(monkeypatch):
             pass
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_recompute_reruns_the_forward_on_its_use_backend_backend(monkeypatch, reentrant):
+    """fleet's recompute re-runs the forward in the backward, after the use_backend block closed: the
+    re-run sees the forward's choice, through fleet's custom recompute state, composed with another
+    state registered before and with one registered after (fleet's manager alone asserts there)."""
+    from paddle.distributed.fleet.recompute.recompute import custom_state_manager as manager
+    from paddle.distributed.fleet.utils import recompute
+
+    for attribute in ("custom_get_state_func", "custom_set_state_func"):
+        monkeypatch.setattr(manager, attribute, None)
+        setter = "set_" + attribute  # (fleet's own, as before any use_backend of this process)
+        monkeypatch.setattr(manager, setter, getattr(type(manager), setter).__get__(manager))
+    monkeypatch.setattr(B, "_recompute_carries", False)
+    states = {"before": "forward", "after": None}
+    manager.set_custom_get_state_func(lambda: states["before"])  # registered before ours
+    manager.set_custom_set_state_func(lambda state: states.update(before=state))
+    seen = []
+
+    def block(t):
+        seen.append((paddlenlp_fused.default_backend(), dict(states)))
+        return t * t  # (its backward reads t: the non-reentrant recompute re-runs it)
+
+    x = paddle.ones([3])
+    x.stop_gradient = False
+    for registered_after in (False, True):
+        if registered_after:  # fleet's manager alone asserts on a second registration
+            manager.set_custom_get_state_func(lambda: states["after"])
+            manager.set_custom_set_state_func(lambda state: states.update(after=state))
+        seen.clear()
+        states.update(before="forward", after="forward" if registered_after else None)
+        with paddlenlp_fused.use_backend("reference"):
+            y = recompute(block, x * 1.0, use_reentrant=reentrant)
+        states.update(before="backward", after="backward" if registered_after else None)
+        y.sum().backward()
+        assert seen[1:] == seen[:1] and seen[0][0] == "reference", seen  # the re-run saw the forward's
+        assert paddlenlp_fused.default_backend() == "auto"  # and all is restored after it
+        assert states == {"before": "backward", "after": "backward" if registered_after else None}, states
+        np.testing.assert_array_equal(x.grad.numpy(), 2.0 * np.ones(3) * (1 + registered_after))
+
+
 def test_auto_on_cpu_picks_triton_in_interpreter_mode_else_reference(monkeypatch):
     impl = ("triton", "reference")
     assert B.resolve_backend("op", "auto", "cpu", impl) == "triton"

@@ -151,6 +151,8 @@ def conv_launch_bwd(x, weight, bias, seq_idx, initial_states, dout, activation, 
 
 
 class CausalConv1dFunction(TritonPyLayer):
+    op = "causal_conv1d_fn"
+
     @staticmethod
     def forward(ctx, x, weight, bias, seq_idx, initial_states, activation, backend, deterministic):
         x, weight, bias, seq_idx, initial_states = (contiguous(t) for t in (x, weight, bias, seq_idx, initial_states))

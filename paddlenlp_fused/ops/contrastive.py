@@ -62,6 +62,7 @@ class _FlashContrastive(TritonPyLayer):
     Memory beyond q, k and their gradients: per-row vectors, the constant G chunk of the backward
     (``grad_workspace_shape``), the constant bf16 stages (``_stage_buffers``), and in a ring the
     block in flight."""
+    op = "flash_contrastive_loss"
 
     @staticmethod
     def forward(ctx, q, k, scale_tensor, labels, scale, symmetric, precision, ring):

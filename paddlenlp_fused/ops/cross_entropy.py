@@ -244,6 +244,7 @@ def _grads_out(grads, need, has_bias):
 class LinearCrossEntropyFunction(TritonPyLayer):
     """(hidden2d ``[T, D]``, weight, bias, labels ``[T]``) -> (per-token fp32 loss ``[T]``, fp32 lse ``[T]``);
     both outputs are differentiable (d lse / d logit = softmax). The lean / triton / reference paths."""
+    op = "linear_cross_entropy"
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, o: _Options):
@@ -284,6 +285,7 @@ class BoundedLinearCrossEntropyFunction(TritonPyLayer):
     """(hidden2d, weight, bias, labels, reduction) -> the reduced fp32 loss, with the gradients computed
     in the forward pass (cuBLASLt, token blocks within ``o.max_workspace_bytes``); the backward
     multiplies them by the incoming scalar gradient."""
+    op = "linear_cross_entropy"
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, o: _Options, reduction: str):

@@ -282,6 +282,8 @@ def _bias_grad(dy):
 
 
 class _FusedMLPFunction(TritonPyLayer):
+    op = "fused_mlp_func"
+
     @staticmethod
     def forward(ctx, x2d, weight1, weight2, bias1, bias2, cfg):
         K = cfg.kernels
@@ -342,6 +344,8 @@ class _FusedMLPFunction(TritonPyLayer):
 
 
 class _FusedDenseFunction(TritonPyLayer):
+    op = "fused_dense_func"
+
     @staticmethod
     def forward(ctx, x2d, weight, bias, cfg):
         total_x = _gather_input(x2d, cfg)

@@ -18,6 +18,8 @@ from ._pylayer import TritonPyLayer
 
 
 class GatedActivationFunction(TritonPyLayer):
+    op = "swiglu / geglu"
+
     @staticmethod
     def forward(ctx, x, activation):
         x = contiguous(x)

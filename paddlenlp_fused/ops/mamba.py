@@ -261,6 +261,8 @@ def _accumulator(t, like):
 
 
 class SelectiveScanFunction(TritonPyLayer):
+    op = "selective_scan_fn"
+
     @staticmethod
     def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state, backend,
                 deterministic):
@@ -375,6 +377,7 @@ class MambaInnerFunction(TritonPyLayer):
     """Conv, x/delta projections, scan and output projection. Projection weights arrive in Paddle's
     [in, out] layout and in xz's dtype; the projected tensors stay in [batch, features, seqlen] so
     that no activation is transposed: x_dbl = x_proj^T @ conv_out, delta = delta_proj^T @ x_dbl[:r]."""
+    op = "mamba_inner_fn"
 
     @staticmethod
     def forward(ctx, xz, conv_w, conv_b, x_proj_w, delta_proj_w, out_proj_w, out_proj_b, A, B, C, D, delta_bias,

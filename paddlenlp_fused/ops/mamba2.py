@@ -176,6 +176,7 @@ def _leaves(tensors):
 class _SplitConv1dScanCombinedFunction(TritonPyLayer):
     """The whole path in one PyLayer: forward without a graph, backward by recomputation (the
     conv's output and graph kept from forward at ``checkpoint_lvl`` 0)."""
+    op = "mamba_split_conv1d_scan_combined"
 
     @staticmethod
     def forward(ctx, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, rmsnorm_weight,

@@ -13,7 +13,6 @@ routes around). ``out`` / ``residual_out`` (preallocated outputs) on every backe
 from __future__ import annotations
 
 import paddle
-import paddle.nn.functional as F
 
 from ..kernels.cuda import norm as cuda_norm
 from ..kernels.triton import norm as triton_norm
@@ -91,10 +90,13 @@ class NormFunction(TritonPyLayer):
     """LayerNorm / RMSNorm over the last axis with optional residual add, on one GPU backend;
     on Triton also flash-attn's x1, rowscale, dropout and weight1. Writes y and the stream h into
     the caller's ``buffers`` where given and returns those very tensors (with this node's graph)."""
+    op = "layer_norm_fn / rms_norm_fn"
 
+    # The tensors are positional: Paddle orders an input's gradient by its place in the call, so a
+    # tensor passed by keyword in another order would take another's gradient. The rest by keyword.
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, x1, rowscale, weight1, bias1, eps, is_rms_norm, prenorm, residual_dtype,
-                weight_offset, out_dtype, dropout, buffers, backend):
+    def forward(ctx, x, weight, bias, residual, x1, rowscale, weight1, bias1, *, eps, is_rms_norm, prenorm,
+                residual_dtype, weight_offset, out_dtype, dropout, buffers, backend):
         N = x.shape[-1]
         x2d = contiguous(x).reshape([-1, N])
         weight, bias, weight1, bias1 = (contiguous(t) for t in (weight, bias, weight1, bias1))
@@ -352,9 +354,10 @@ def layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=N
         if dropout_p > 0 and seed is None:  # Triton's Philox keep-mask, written by the kernel when asked
             seed = _draw_seed()
         dropout = _Masks(dropout_p, seed, return_dropout_mask and dropout_p > 0)
-        result = NormFunction.apply(x, weight, bias, residual, x1, rowscale, weight1, bias1, eps, is_rms_norm, prenorm,
-                                    residual_dtype, weight_offset, out_dtype, dropout, _Buffers(out, residual_out),
-                                    chosen)
+        result = NormFunction.apply(x, weight, bias, residual, x1, rowscale, weight1, bias1, eps=eps,
+                                    is_rms_norm=is_rms_norm, prenorm=prenorm, residual_dtype=residual_dtype,
+                                    weight_offset=weight_offset, out_dtype=out_dtype, dropout=dropout,
+                                    buffers=_Buffers(out, residual_out), backend=chosen)
         masks = tuple(None if m is None else m.astype("bool").reshape(x.shape) for m in (dropout.mask, dropout.mask1))
         stream_is_x = residual is None and residual_dtype == x.dtype and residual_out is None and x1 is None and \
             rowscale is None and dropout_p == 0  # (then the kernels store no h)
@@ -399,9 +402,10 @@ def rms_norm_fn(x, weight, bias=None, residual=None, x1=None, weight1=None, bias
 
 class GatedRMSNormFunction(TritonPyLayer):
     """Mamba-2's gated RMSNorm (or LayerNorm) on the Triton kernels."""
+    op = "rmsnorm_gated_fn"
 
     @staticmethod
-    def forward(ctx, x, weight, bias, z, eps, group_size, norm_before_gate, is_rms_norm):
+    def forward(ctx, x, weight, bias, z, *, eps, group_size, norm_before_gate, is_rms_norm):  # (see NormFunction)
         N = x.shape[-1]
         x2d, weight, bias = contiguous(x).reshape([-1, N]), contiguous(weight), contiguous(bias)
         M = x2d.shape[0]
@@ -423,22 +427,16 @@ class GatedRMSNormFunction(TritonPyLayer):
         x2d, weight, bias, z2d, mean, rstd = ctx.saved_tensor()
         M, N = x2d.shape
         dy2d = contiguous(dy).reshape([M, N])
-        # the kernel's dz leaves out bias * silu'(z) (gate after the norm): add it here in fp32
         bias_in_dz = bias is not None and z2d is not None and ctx.options["norm_before_gate"]
         dx = paddle.empty([M, N], dtype=x2d.dtype, device=x2d.place)
-        dz = None if z2d is None else paddle.empty([M, N], dtype="float32" if bias_in_dz else z2d.dtype,
-                                                   device=x2d.place)
+        dz = None if z2d is None else paddle.empty([M, N], dtype=z2d.dtype, device=x2d.place)
         dweight = paddle.empty(weight.shape, dtype=weight.dtype, device=x2d.place)
         dbias = None if bias is None else paddle.empty(bias.shape, dtype=bias.dtype, device=x2d.place)
         workspace = _bwd_workspace("triton", M, N, T.dtype_name(x2d), bias is not None, ctx.options["group_size"],
                                    place=x2d.place)
-        _launch("triton", "norm_bwd", dict(h=x2d, weight=weight, mean=mean, rstd=rstd, dy=dy2d, dx=dx,
-                                           dweight=dweight, dbias=dbias, z=z2d, dz=dz, **workspace), **ctx.options)
-        if bias_in_dz:
-            z32 = z2d.astype("float32")
-            sig = F.sigmoid(z32)
-            dz = (dz + dy2d.astype("float32") * bias.astype("float32") * sig * (1.0 + z32 * (1.0 - sig))
-                  ).astype(z2d.dtype)
+        _launch("triton", "norm_bwd", dict(h=x2d, weight=weight, bias=bias if bias_in_dz else None, mean=mean,
+                                           rstd=rstd, dy=dy2d, dx=dx, dweight=dweight, dbias=dbias, z=z2d, dz=dz,
+                                           **workspace), **ctx.options)
         grads = [dx.reshape(ctx.shape), dweight] + ([] if dbias is None else [dbias]) + \
             ([] if dz is None else [dz.reshape(ctx.shape)])
         return grads_for(ctx, grads)
@@ -462,4 +460,5 @@ def rmsnorm_gated_fn(x, weight, z=None, eps: float = 1e-6, group_size=None, norm
     chosen = resolve_backend("rmsnorm_gated", backend, device_of(x), implemented=("triton", "reference"))
     if chosen == "reference" or x.size == 0:
         return rmsnorm_gated_ref(x, weight, z, eps, group_size, norm_before_gate, bias, bool(is_rms_norm))
-    return GatedRMSNormFunction.apply(x, weight, bias, z, eps, group_size, norm_before_gate, bool(is_rms_norm))
+    return GatedRMSNormFunction.apply(x, weight, bias, z, eps=eps, group_size=group_size,
+                                      norm_before_gate=norm_before_gate, is_rms_norm=bool(is_rms_norm))

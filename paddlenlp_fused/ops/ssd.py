@@ -161,6 +161,7 @@ def choose_backend(backend, x, chunk_size, deterministic=False):
 class SSDChunkedFunction(TritonPyLayer):
     """Triton forward (stages of ``kernels/triton/ssd.py``) and backward (``ssd_chunked_bwd``).
     Outputs y, final_states and, with ``positions``, the states after those tokens."""
+    op = "mamba_chunk_scan_combined"
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, positions, chunk_size, dt_softplus,

@@ -50,12 +50,50 @@ def default_backend() -> str:
 
 @contextlib.contextmanager
 def use_backend(name: str):
-    """Run the ops inside the block on ``name`` wherever they are called with ``backend="auto"``."""
-    token = _override.set(_check_name(name, "use_backend(name)"))
+    """Run the ops inside the block on ``name`` wherever they are called with ``backend="auto"``.
+    A forward that fleet's ``recompute`` re-runs in the backward, after the block has closed, runs
+    on the backend of the block again (``_carry_into_recompute``)."""
+    name = _check_name(name, "use_backend(name)")
+    _carry_into_recompute()
+    token = _override.set(name)
     try:
         yield
     finally:
         _override.reset(token)
+
+
+_recompute_carries = False
+
+
+def _carry_into_recompute() -> None:
+    """Make fleet's ``recompute`` carry the ``use_backend`` choice into the forward it re-runs in
+    the backward, through its custom state (saved with the RNG states at the forward, set around
+    the re-run: with ``preserve_rng_state=True``, its default). Composed with a state registered
+    before or after this, which fleet's manager otherwise allows only once."""
+    global _recompute_carries
+    if _recompute_carries:
+        return
+    _recompute_carries = True
+    try:
+        from paddle.distributed.fleet.recompute.recompute import custom_state_manager as manager
+    except ImportError:  # pragma: no cover - a Paddle without fleet's recompute
+        return
+
+    others = {"custom_get_state_func": [], "custom_set_state_func": []}  # registered by others, in order
+
+    def get_state():
+        return _override.get(), [get() for get in others["custom_get_state_func"]]
+
+    def set_state(state):
+        _override.set(state[0])
+        for set_other, other_state in zip(others["custom_set_state_func"], state[1]):
+            set_other(other_state)
+
+    for attribute, ours in (("custom_get_state_func", get_state), ("custom_set_state_func", set_state)):
+        if getattr(manager, attribute) is not None:
+            others[attribute].append(getattr(manager, attribute))
+        setattr(manager, attribute, ours)
+        setattr(manager, "set_" + attribute, others[attribute].append)
 
 
 def _env_interpret() -> bool:

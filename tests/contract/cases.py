@@ -60,7 +60,9 @@ class Entry:
     # whose terms cancel: they are then measured against the loss's per-token terms (see _check_grad)
     token_axes: Optional[tuple] = None
     notes: dict = field(default_factory=dict)
-    # check (or (check, backend)) -> a defect of a file owned elsewhere, reported: a strict xfail
+    # check (or (check, backend)) -> a defect of a file owned elsewhere, reported: a strict xfail. Checks:
+    # other_consumers, paddle_grad, stop_gradient, no_grad, non_contiguous, recompute, inplace,
+    # create_graph, empty, O1, O2 (test_autograd_contract.py)
     known: dict = field(default_factory=dict)
 
     @property

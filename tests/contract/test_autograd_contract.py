@@ -5,7 +5,9 @@ The expected values come from the plain composition in the simplest setting (flo
 consumer, ``paddle.grad``); each check then puts the fused op in a training loop's setting and
 derives what it must give from them: other consumers of every input (their known gradients added),
 two backward passes (twice the gradients), ``stop_gradient`` mixes, ``no_grad`` / ``eval``,
-non-contiguous views, fleet's ``recompute``, 0 tokens, bad inputs and AMP-style dtypes.
+non-contiguous views, fleet's ``recompute`` with the backend chosen by ``use_backend`` around the
+forward only, in-place edits after the forward, double backward (``create_graph=True``), 0 tokens,
+bad inputs and AMP dtypes under ``paddle.amp.auto_cast`` / ``paddle.amp.decorate``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 from paddle.distributed.fleet.utils import recompute
 
 from cases import ENTRIES
+from paddlenlp_fused import use_backend
 from paddlenlp_fused.testing.numerics import assert_close, assert_sum_within, assert_within, bound_for, rel_err
 
 FLOATS = (paddle.float16, paddle.bfloat16, paddle.float32, paddle.float64)
@@ -337,7 +340,10 @@ def test_non_contiguous_inputs(entry, backend):
 
 @pytest.mark.parametrize("entry,backend", _backend_params(ENTRIES, "recompute"))
 def test_recompute(entry, backend):
-    case = Case(entry, backend)
+    """The op on ``backend="auto"`` with the backend chosen by ``use_backend`` around the forward
+    only, as a training step does: fleet re-runs the forward in the backward, after the block (the
+    re-run must take the forward's backend: a dropout mask of another backend, another gradient)."""
+    case = Case(entry, "auto")
     _, weights, _ = case.expected()
     leaves = case.leaves()
     names = list(leaves)
@@ -346,7 +352,8 @@ def test_recompute(entry, backend):
         result = case.call({**case.values, **dict(zip(names, tensors))})
         return tuple(result) if len(result) > 1 else result[0]
 
-    outs = _outputs(recompute(forward, *leaves.values()))
+    with use_backend(backend):
+        outs = _outputs(recompute(forward, *leaves.values()))
     _check_outputs(case, outs, "recompute")
     _loss(outs, weights).backward()
     params = case.params()
@@ -354,6 +361,147 @@ def test_recompute(entry, backend):
         _check_grad(case, name, t.grad, "recompute")
     for p in params.values():
         p.clear_gradient(False)
+
+
+# ---- in-place edits after the forward; double backward -------------------------------------------
+
+INPLACE_ERROR = "modified by an inplace operation"
+
+
+def _edit_targets(case):
+    """What one check edits in place after the forward: the first float input and, where the op has
+    several outputs, the last (prenorm's residual stream h, which the next block reads)."""
+    targets = [("input", case.float_names[0])]
+    if len(case.expected()[0]) > 1:
+        targets.append(("output", -1))
+    return targets
+
+
+@pytest.mark.parametrize("entry,backend", _backend_params(ENTRIES, "inplace"))
+def test_inplace_edit_after_forward(entry, backend):
+    """The op raises Paddle's in-place error in the backward (Paddle wraps a PyLayer's as OSError) or
+    gives the gradients of the forward it ran (through the edit: an edited output's weight in the
+    loss doubles). Where the plain composition raises, a PyLayer path raises too; the reference,
+    plain Paddle itself, may keep a tensor the edit does not reach (out= buffers written by copy)."""
+    case = Case(entry, backend)
+    _, weights, grads = case.expected()
+    plain_layer = [case.plain_layer] if case.plain_layer is not None else []
+    plain_params = {"param:" + n: p for n, p in case.plain_layer.named_parameters()} if plain_layer else {}
+    for kind, key in _edit_targets(case):
+        leaves = case.leaves()
+        tensors = {**case.values, **{k: v * 1.0 for k, v in leaves.items()}}
+        plain_outs = _outputs(entry.plain(*plain_layer, **tensors))
+        (tensors[key] if kind == "input" else plain_outs[key]).scale_(2.0)
+        try:
+            paddle.grad(_loss(plain_outs, weights), list({**leaves, **plain_params}.values()), allow_unused=True)
+            plain_raises = False
+        except RuntimeError as exc:
+            assert INPLACE_ERROR in str(exc), exc
+            plain_raises = True
+        if kind == "input":
+            expected = grads
+        else:  # the edit scales the output in the graph: the plain composition's gradients with its weight doubled
+            doubled = list(weights)
+            doubled[key] = 2.0 * doubled[key]
+            outs, sources = case._plain()
+            expected = paddle.grad(_loss(outs, doubled), list(sources.values()), allow_unused=True)
+            expected = {n: np.zeros(t.shape) if g is None else _np(g) for (n, t), g in zip(sources.items(), expected)}
+        leaves = case.leaves()
+        fused_sources = {**leaves, **{"param:" + k: p for k, p in case.params().items()}}
+        tensors = {**case.values, **{k: v * 1.0 for k, v in leaves.items()}}
+        outs = case.call(tensors)
+        (tensors[key] if kind == "input" else outs[key]).scale_(2.0)
+        try:
+            got = paddle.grad(_loss(outs, weights), list(fused_sources.values()), allow_unused=True)
+        except (RuntimeError, OSError) as exc:
+            assert INPLACE_ERROR in str(exc), exc
+            continue
+        assert backend == "reference" or not plain_raises, \
+            f"{kind} {key} edited in place after the forward: Paddle raises, the op did not"
+        for name, g in zip(fused_sources, got):
+            want = expected[name]
+            assert_close(f"{kind} {key} edited: d{name}", np.zeros(want.shape) if g is None else _np(g), want,
+                         "float32")
+
+
+def _double_backward(sources, loss):
+    """Second-order gradients: d/d sources of sum(first-order gradient ** 2)."""
+    grads = paddle.grad(loss, sources, create_graph=True, allow_unused=True)
+    total = sum((g * g).sum() for g in grads if g is not None and not g.stop_gradient)
+    if not isinstance(total, paddle.Tensor):
+        return grads, None
+    return grads, paddle.grad(total, sources, allow_unused=True)
+
+
+@pytest.mark.parametrize("entry,backend", _backend_params(ENTRIES, "create_graph"))
+def test_create_graph(entry, backend):
+    """``paddle.grad(..., create_graph=True)`` raises the op's clear error (Paddle wraps it as OSError),
+    or gives the plain composition's first- and second-order gradients."""
+    case = Case(entry, backend)
+    _, weights, grads = case.expected()
+    outs, sources = case._plain()
+    try:
+        _, expected = _double_backward(list(sources.values()), _loss(outs, weights))
+    except (RuntimeError, OSError, ValueError) as exc:  # (a Paddle op without a double backward)
+        expected = exc
+    leaves = case.leaves()
+    fused_sources = {**leaves, **{"param:" + k: p for k, p in case.params().items()}}
+    outs = case.call({**case.values, **leaves})
+    try:
+        first, second = _double_backward(list(fused_sources.values()), _loss(outs, weights))
+    except OSError as exc:
+        assert "double backward" in str(exc) and "backend='reference'" in str(exc), exc
+        return
+    except (RuntimeError, ValueError) as exc:
+        assert isinstance(expected, Exception), f"the plain composition has a double backward: {exc}"
+        return
+    for name, g in zip(fused_sources, first):
+        _check_grad(case, name, g, "create_graph=True")
+    if isinstance(expected, Exception):  # (the op has what the plain composition lacks: not compared)
+        return
+    for (name, _), g, e in zip(sources.items(), second, expected):
+        assert (g is None) == (e is None), f"{name}: second-order gradient {g} where the plain composition has {e}"
+        if g is not None:
+            assert_close(f"second-order d{name}", _np(g), _np(e), "float32")
+
+
+def test_inplace_edits_from_the_review():
+    """Issue 29's two reproductions on the Triton backend: prenorm's stream h scaled after the forward
+    (dx was off by O(1)), and fused_mlp_func's input scaled after it (sum|dW1| three times too big)."""
+    import paddlenlp_fused as pf
+
+    x, w, r = (paddle.randn(s) for s in ([4, 16], [16], [4, 16]))
+    for t in (x, w, r):
+        t.stop_gradient = False
+    y, h = pf.rms_norm_fn(x * 1.0, w, residual=r * 1.0, prenorm=True, backend="triton")
+    h.scale_(2.0)
+    with pytest.raises(OSError, match=r"layer_norm_fn / rms_norm_fn: output 1, used in gradient computation, has "
+                                      r"been modified by an inplace operation"):
+        (y.sum() + h.sum()).backward()
+    x, w1, w2 = (paddle.randn(s) for s in ([5, 8], [8, 6], [6, 4]))
+    for t in (x, w1, w2):
+        t.stop_gradient = False
+    x2 = x * 1.0
+    out = pf.fused_mlp_func(x2, w1, w2, backend="triton")
+    x2.scale_(3.0)
+    with pytest.raises(OSError, match=r"fused_mlp_func: input 'x2d', used in gradient computation, has been modified"):
+        out.sum().backward()
+
+
+def test_double_backward_on_the_kernels_raises_and_the_reference_has_it():
+    import paddlenlp_fused as pf
+
+    x = paddle.randn([3, 16])
+    x.stop_gradient = False
+    with pytest.raises(OSError, match=r"swiglu / geglu: double backward .*backend='reference'\) supports it"):
+        paddle.grad((pf.swiglu(x, backend="triton") ** 2).sum(), [x], create_graph=True)
+    (g,) = paddle.grad((pf.swiglu(x, backend="reference") ** 2).sum(), [x], create_graph=True)
+    (second,) = paddle.grad(g.sum(), [x])
+    x64 = paddle.to_tensor(x.numpy().astype(np.float64), stop_gradient=False)
+    a, b = x64[:, :8], x64[:, 8:]
+    (g64,) = paddle.grad(((paddle.nn.functional.silu(a) * b) ** 2).sum(), [x64], create_graph=True)
+    (second64,) = paddle.grad(g64.sum(), [x64])
+    assert_close("reference second-order dx", _np(second), second64.numpy(), "float32")
 
 
 # ---- 0 tokens ----------------------------------------------------------------------------------
@@ -405,11 +553,16 @@ def _amp_params():
     return params
 
 
-def _amp_run(case, target, weights):
+def _amp_run(case, target, weights, level):
     """Outputs and gradients (by name) of the fused call on ``target`` (a backend, or a layer of
-    ``case``'s dtypes) with ``case``'s low-precision inputs."""
+    ``case``'s dtypes) with ``case``'s low-precision inputs, the forward under Paddle's
+    ``auto_cast`` of ``level`` (a layer also through ``decorate`` at O2), the backward after it, as
+    a training step runs them. (Paddle's CPU build runs both as no-ops: the amp level stays O0.)"""
     leaves = case.leaves()
-    outs = _outputs(case.entry.fused(target, **{**case.values, **leaves}))
+    if level == "O2" and isinstance(target, paddle.nn.Layer):
+        target = paddle.amp.decorate(models=target, level="O2", dtype="bfloat16")
+    with paddle.amp.auto_cast(level=level, dtype="bfloat16"):
+        outs = _outputs(case.entry.fused(target, **{**case.values, **leaves}))
     _loss(outs, weights).backward()
     sources = list(leaves.items())
     if case.layer is not None:
@@ -426,6 +579,7 @@ def _bfloat16_values(t):
     return t.astype("bfloat16").astype(t.dtype)
 
 
+@pytest.mark.filterwarnings("ignore:amp_guard can only be enabled")  # (Paddle's CPU build: see _amp_run)
 @pytest.mark.parametrize("entry,level,backend", _amp_params())
 def test_amp_dtypes(entry, level, backend):
     """O1: bfloat16 activations, float32 weights; O2: bfloat16 everything. Gradients come in each
@@ -460,8 +614,9 @@ def test_amp_dtypes(entry, level, backend):
                 for p in layer.parameters():
                     p.set_value(_bfloat16_values(p))
     expected_outs, weights, expected_grads = case.expected()
-    outs, grads = _amp_run(case, case.layer if case.layer is not None else backend, weights)
-    base_outs, base_grads = _amp_run(case, baseline_layer if baseline_layer is not None else "reference", weights)
+    outs, grads = _amp_run(case, case.layer if case.layer is not None else backend, weights, level)
+    base_outs, base_grads = _amp_run(case, baseline_layer if baseline_layer is not None else "reference", weights,
+                                     level)
     checks = [(f"{level} output {i}", o, b, e, True) for i, (o, b, e) in enumerate(zip(outs, base_outs, expected_outs))]
     checks += [(f"{level} d{n}", g, base_grads[n], expected_grads[n], n in entry.low_precision) for n, g in grads.items()]
     for name, got, base, ref, per_token in checks:
