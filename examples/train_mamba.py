@@ -31,7 +31,7 @@ def build_mamba(cfg):
     except ImportError as exc:
         raise SystemExit(f"this example needs PaddleNLP >= 3.0.0b4 (pip install -e .[paddlenlp]): {exc}")
     # initializer_range 0.02 (mamba_ssm's; PaddleNLP's default 0.1): the tied embedding's own token then
-    # no longer dominates the first logits (the base model starts near ln V, not at 64)
+    # no longer dominates the first logits (the base model starts near ln V, not at 64-75)
     config = MambaConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], num_hidden_layers=cfg["layers"],
                          state_size=cfg["state"], conv_kernel=4, expand=2, initializer_range=0.02)
     return MambaForCausalLM(config)
