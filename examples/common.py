@@ -21,13 +21,18 @@ import os
 import sys
 import sysconfig
 import time
+from pathlib import Path
 
 import numpy as np
 import paddle
+import paddle.nn.functional as F
 
 BACKGROUND = 0.1  # probability of a uniform jump in the synthetic chain
 SUCCESSORS = 4
 TEXT_BYTES = 8 << 20  # at most this much standard-library source is read for --data text
+IGNORE_INDEX = -100  # labels that take no part in the loss (PaddleNLP's and linear_cross_entropy's default)
+# the loss-curve PNGs, next to the examples whatever the working directory (git ignores *.png)
+PLOT_DIR = Path(__file__).resolve().parent / "plots"
 
 
 class MarkovChain:
@@ -107,10 +112,30 @@ def sample_batch(data, batch: int, seq: int, rng):
     return paddle.to_tensor(tokens[:, :-1]), paddle.to_tensor(tokens[:, 1:])
 
 
-def example_args(description, sizes, plot, argv=None, default_lr=3e-3, fleet=False):
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1 (``--steps 0`` has no loss to report or plot)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def default_plot(script: str, args) -> str:
+    """``PLOT_DIR/<script>_<size>_<data>_<fused|plain>[_tp<N>[_sp]].png``: one name per kind of run, so that
+    the fused, ``--no-fused``, ``--data text`` and fleet runs do not overwrite each other's curve."""
+    parts = [script, args.size, args.data, "fused" if args.fused else "plain"]
+    if getattr(args, "tensor_parallel", 1) > 1 or getattr(args, "sequence_parallel", False):
+        parts.append(f"tp{args.tensor_parallel}{'_sp' if args.sequence_parallel else ''}")
+    return str(PLOT_DIR / f"{'_'.join(parts)}.png")
+
+
+def example_args(description, sizes, script, argv=None, default_lr=3e-3, fleet=False):
     """The flags every example takes (and, with ``fleet``, ``--tensor-parallel`` / ``--sequence-parallel``);
-    sets Paddle's device and seed from them. ``plot``: the default PNG name, or a function of the parsed
-    flags that returns it; ``args.config``: the size's config with ``--batch`` applied."""
+    sets Paddle's device and seed from them. ``script``: the example's name, which starts its default PNG
+    name (``default_plot``); ``args.config``: the size's config with ``--batch`` applied."""
     parser = argparse.ArgumentParser(description=description)
     if fleet:
         parser.add_argument("--tensor-parallel", type=int, default=1,
@@ -119,18 +144,19 @@ def example_args(description, sizes, plot, argv=None, default_lr=3e-3, fleet=Fal
     parser.add_argument("--size", choices=sorted(sizes), default="tiny")
     parser.add_argument("--data", choices=("synthetic", "text"), default="synthetic",
                         help="synthetic Markov chain (known loss floor) or bytes of the standard library's source")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--batch", type=int, default=None, help="sequences a step (default: the size's)")
+    parser.add_argument("--steps", type=positive_int, default=60)
+    parser.add_argument("--batch", type=positive_int, default=None, help="sequences a step (default: the size's)")
     parser.add_argument("--lr", type=float, default=default_lr)
     parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default=None, help=f"loss-curve PNG (default {plot})")
+    parser.add_argument("--plot", default=None,
+                        help=f"loss-curve PNG (default {PLOT_DIR}/{script}_<size>_<data>_<fused|plain>.png)")
     parser.add_argument("--moment-dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                         help="FusedAdamW's moments; auto: bfloat16 where FusedAdamW runs a kernel (GPU, "
                              "TRITON_INTERPRET=1), float32 where it runs its CPU reference")
     args = parser.parse_args(argv)
-    args.plot = args.plot or (plot(args) if callable(plot) else plot)
+    args.plot = args.plot or default_plot(script, args)
     args.config = dict(sizes[args.size], **({"batch": args.batch} if args.batch else {}))
     paddle.set_device(args.device)
     paddle.seed(args.seed)
@@ -171,10 +197,25 @@ def backend_summary(fused: bool) -> str:
     return f"pure-Paddle reference{gpu_note}"
 
 
-def describe(label: str, model, data, vocab: int, layers, args):
-    """The run's opening lines: parameters, data, loss floor, and which layers, optimizer and backend run."""
-    params = sum(int(np.prod(p.shape)) for p in model.parameters()) / 1e6
-    print(f"{label}: {params:.2f}M parameters; data: {data.name}; {data.floor_label} {data.floor:.3f}, "
+def cross_entropy(logits, labels):
+    """The plain runs' loss: the mean cross-entropy over the tokens whose label is not ``IGNORE_INDEX``,
+    as ``linear_cross_entropy`` and PaddleNLP's criteria take it (Paddle's ``reduction="mean"`` divides by
+    every token, ignored ones included); 0 when every label is ignored."""
+    logits, labels = logits.reshape([-1, logits.shape[-1]]).astype("float32"), labels.reshape([-1])
+    losses = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
+    counted = (labels != IGNORE_INDEX).astype("float32").sum()
+    return losses.sum() / paddle.clip(counted, min=1.0)
+
+
+def parameter_count(model) -> int:
+    return sum(int(np.prod(p.shape)) for p in model.parameters())
+
+
+def describe(label: str, model, data, vocab: int, layers, args, parameters=None):
+    """The run's opening lines: parameters, data, loss floor, and which layers, optimizer and backend run.
+    ``parameters``: how to state the parameter count (default: the model's, in millions)."""
+    parameters = parameters or f"{parameter_count(model) / 1e6:.2f}M parameters"
+    print(f"{label}: {parameters}; data: {data.name}; {data.floor_label} {data.floor:.3f}, "
           f"uniform {math.log(vocab):.3f}")
     optimizer = f"FusedAdamW ({args.moment_dtype} moments)" if args.fused else "paddle.optimizer.AdamW"
     print(f"  layers: {', '.join([*layers, optimizer])}; backend: {backend_summary(args.fused)}")
@@ -210,24 +251,35 @@ def fit(model, opt, data, cfg, steps, rng, loss_of, after_backward=None, show=Tr
     return losses
 
 
-def finish(losses, data, title: str, path: str):
-    """Print the final loss and write the loss-curve PNG titled ``title``."""
-    print(f"final loss {np.mean(losses[-5:]):.4f} (start {losses[0]:.4f}, {data.floor_label} {data.floor:.3f})")
+def loss_figure(losses, data, title: str):
+    """The loss curve against steps 1..N (integer ticks, however short the run) and the data's floor."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    plt.figure(figsize=(5.5, 3.4))
-    plt.plot(losses, label="loss")
-    plt.axhline(data.floor, ls="--", c="gray", label=data.floor_label)
-    plt.title(title, fontsize=9)
-    plt.xlabel("step")
-    plt.ylabel("loss (nats)")
-    plt.legend()
-    plt.tight_layout()
-    plt.savefig(path, dpi=110)
-    plt.close()
+    figure, axes = plt.subplots(figsize=(5.5, 3.4))
+    axes.plot(range(1, len(losses) + 1), losses, label="loss")
+    axes.axhline(data.floor, ls="--", c="gray", label=data.floor_label)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_title(title, fontsize=9)
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss (nats)")
+    axes.legend()
+    figure.tight_layout()
+    return figure
+
+
+def finish(losses, data, title: str, path: str):
+    """Print the final loss and write the loss-curve PNG titled ``title`` to ``path`` (its folder made)."""
+    print(f"final loss {np.mean(losses[-5:]):.4f} (start {losses[0]:.4f}, {data.floor_label} {data.floor:.3f})")
+    import matplotlib.pyplot as plt
+
+    figure = loss_figure(losses, data, title)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
     print(f"loss curve: {path}")
 
 

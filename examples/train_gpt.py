@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from common import describe, example_args, finish, fit, make_data, plot_title
+from common import IGNORE_INDEX, describe, example_args, finish, fit, make_data, plot_title
 from train_llama import make_optimizer
 
 SIZES = {
@@ -33,7 +33,7 @@ def build_gpt(cfg):
     config = GPTConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], num_hidden_layers=cfg["layers"],
                        num_attention_heads=cfg["heads"], intermediate_size=cfg["intermediate"],
                        max_position_embeddings=cfg["seq"], hidden_dropout_prob=0.0,
-                       attention_probs_dropout_prob=0.0)
+                       attention_probs_dropout_prob=0.0, ignore_index=IGNORE_INDEX)  # GPT's default 0 is a token
     return GPTForCausalLM(config)
 
 
@@ -49,7 +49,7 @@ def train(name, sizes, build_model, argv=None, default_lr=3e-3, loss_of=labelled
     """Parse the common flags, build ``build_model(sizes[size])`` (``build_fused`` instead under
     ``--fused`` when given), swap in our layers under ``--fused``, train with ``loss_of(model, inputs,
     labels)`` and plot the loss curve. ``fused_extras``: what else of ours the fused run uses, in words."""
-    args = example_args(f"Train PaddleNLP's {name}", sizes, f"train_{name.lower()}_loss.png", argv,
+    args = example_args(f"Train PaddleNLP's {name}", sizes, f"train_{name.lower()}", argv,
                         default_lr=default_lr)
     rng = np.random.default_rng(args.seed)
     cfg = args.config

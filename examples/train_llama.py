@@ -37,7 +37,7 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 
 import paddlenlp_fused as pf
-from common import describe, example_args, finish, fit, make_data, plot_title
+from common import cross_entropy, describe, example_args, finish, fit, make_data, parameter_count, plot_title
 
 SIZES = {
     "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, intermediate=176, seq=64, batch=8),
@@ -106,7 +106,7 @@ class TinyLlama(nn.Layer):
 
     def __init__(self, cfg, fused):
         super().__init__()
-        self.fused, self.vocab = fused, cfg["vocab"]
+        self.fused = fused
         self.embed = nn.Embedding(cfg["vocab"], cfg["hidden"])
         self.blocks = nn.LayerList([Block(cfg, fused) for _ in range(cfg["layers"])])
         self.norm = _norm(cfg["hidden"], fused)
@@ -123,8 +123,7 @@ class TinyLlama(nn.Layer):
             return paddle.matmul(h, self.head.weight)
         if self.fused:
             return self.head(h, labels)
-        logits = self.head(h).astype("float32")
-        return F.cross_entropy(logits.reshape([-1, self.vocab]), labels.reshape([-1]))
+        return cross_entropy(self.head(h), labels)
 
 
 FUSED_LAYERS = ["FusedRMSNorm (residual add + norm)", "FusedMLP (swiglu)", "LinearCrossEntropy (LM head + loss)"]
@@ -153,6 +152,15 @@ def build_paddlenlp_llama(cfg, tensor_parallel=1, rank=0, sequence_parallel=Fals
                          rms_norm_eps=1e-6, tensor_parallel_degree=tensor_parallel, tensor_parallel_rank=rank,
                          sequence_parallel=sequence_parallel)
     return LlamaForCausalLM(config)
+
+
+def parameter_counts(model, tensor_parallel):
+    """(the whole model's, one rank's) parameter counts of a tensor-parallel model: a parameter marked
+    ``is_distributed`` (fleet's and our parallel layers mark their shards) is 1/tensor_parallel of its
+    layer's; the others are replicated whole on every rank."""
+    per_rank = parameter_count(model)
+    sharded = sum(int(np.prod(p.shape)) for p in model.parameters() if getattr(p, "is_distributed", False))
+    return per_rank + (tensor_parallel - 1) * sharded, per_rank
 
 
 def main_fleet(args):
@@ -199,9 +207,11 @@ def main_fleet(args):
         return model(input_ids=inputs, labels=labels, return_dict=True).loss
 
     name = f"{'fused' if args.fused else 'plain'} PaddleNLP LLaMA tp{tp}{'+sp' if args.sequence_parallel else ''}"
+    whole, per_rank = parameter_counts(model, tp)
     if leader:
         layers = ["swap_fused_layers (report above)" if args.fused else "fleet's parallel layers"]
-        describe(f"{name} {args.size}, {world} processes", model, data, cfg["vocab"], layers, args)
+        describe(f"{name} {args.size}, {world} processes", model, data, cfg["vocab"], layers, args,
+                 parameters=f"{whole / 1e6:.2f}M parameters ({per_rank / 1e6:.2f}M on each rank)")
     losses = fit(model, opt, data, cfg, args.steps, rng, loss_of=loss_of, after_backward=after_backward,
                  show=leader)
     if leader:
@@ -211,15 +221,8 @@ def main_fleet(args):
     return losses
 
 
-def _default_plot(args):
-    """Distinct names for the single-process and fleet runs, so that neither overwrites the other."""
-    if args.tensor_parallel > 1 or args.sequence_parallel:
-        return f"train_llama_tp{args.tensor_parallel}{'_sp' if args.sequence_parallel else ''}_loss.png"
-    return "train_llama_loss.png"
-
-
 def main(argv=None):
-    args = example_args(__doc__.splitlines()[0], SIZES, _default_plot, argv, fleet=True)
+    args = example_args(__doc__.splitlines()[0], SIZES, "train_llama", argv, fleet=True)
     if args.tensor_parallel > 1 or args.sequence_parallel:
         return main_fleet(args)
     rng = np.random.default_rng(args.seed)

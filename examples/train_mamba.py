@@ -15,9 +15,8 @@ hidden states and compute the loss outside. Data, flags, progress line and PNG: 
 
 from __future__ import annotations
 
-import paddle.nn.functional as F
-
 import paddlenlp_fused as pf
+from common import cross_entropy
 from train_gpt import train
 
 SIZES = {
@@ -31,8 +30,10 @@ def build_mamba(cfg):
         from paddlenlp.transformers import MambaConfig, MambaForCausalLM
     except ImportError as exc:
         raise SystemExit(f"this example needs PaddleNLP >= 3.0.0b4 (pip install -e .[paddlenlp]): {exc}")
+    # initializer_range 0.02 (mamba_ssm's; PaddleNLP's default 0.1): the tied embedding's own token then
+    # no longer dominates the first logits (the base model starts near ln V, not at 64-75)
     config = MambaConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], num_hidden_layers=cfg["layers"],
-                         state_size=cfg["state"], conv_kernel=4, expand=2)
+                         state_size=cfg["state"], conv_kernel=4, expand=2, initializer_range=0.02)
     return MambaForCausalLM(config)
 
 
@@ -56,8 +57,7 @@ def mamba_loss(model, inputs, labels):
         weight, transpose_y = model.lm_head.weight, False
     if isinstance(model.backbone.layers[0].mixer, pf.MambaMixer):  # swapped: no [tokens, vocab] logits
         return pf.linear_cross_entropy(hidden, weight, labels, transpose_y=transpose_y)
-    logits = model.lm_head(hidden).astype("float32")
-    return F.cross_entropy(logits.reshape([-1, logits.shape[-1]]), labels.reshape([-1]))
+    return cross_entropy(model.lm_head(hidden), labels)
 
 
 def main(argv=None):

@@ -21,10 +21,9 @@ import contextlib
 
 import numpy as np
 import paddle.nn as nn
-import paddle.nn.functional as F
 
 import paddlenlp_fused as pf
-from common import describe, example_args, finish, fit, make_data, plot_title
+from common import cross_entropy, describe, example_args, finish, fit, make_data, plot_title
 from train_llama import _norm, make_optimizer
 
 SIZES = {
@@ -38,7 +37,7 @@ class TinyMamba2(nn.Layer):
 
     def __init__(self, cfg, fused):
         super().__init__()
-        self.fused, self.vocab = fused, cfg["vocab"]
+        self.fused = fused
         self.embed = nn.Embedding(cfg["vocab"], cfg["hidden"])
         self.norms = nn.LayerList([_norm(cfg["hidden"], fused) for _ in range(cfg["layers"])])
         self.mixers = nn.LayerList([
@@ -59,12 +58,11 @@ class TinyMamba2(nn.Layer):
         h, _ = self.norm(x, residual)
         if self.fused:
             return self.head(h, labels)
-        logits = self.head(h).astype("float32")
-        return F.cross_entropy(logits.reshape([-1, self.vocab]), labels.reshape([-1]))
+        return cross_entropy(self.head(h), labels)
 
 
 def main(argv=None):
-    args = example_args(__doc__.splitlines()[0], SIZES, "train_mamba2_loss.png", argv)
+    args = example_args(__doc__.splitlines()[0], SIZES, "train_mamba2", argv)
     np.random.seed(args.seed)  # Mamba2Block draws dt_bias and A_log with numpy
     rng = np.random.default_rng(args.seed)
     cfg = args.config

@@ -23,6 +23,7 @@ OP_BACKENDS: Dict[str, Tuple[str, ...]] = {
     "fused_dense_func, fused_mlp_func": ("cuda", "triton", "reference"),
     "selective_scan_fn, mamba_inner_fn": ("cuda", "triton", "reference"),
     "causal_conv1d_fn, causal_conv1d_update": ("cuda", "triton", "reference"),
+    "causal_conv1d_varlen_states": ("triton", "reference"),
     "selective_state_update": ("triton", "reference"),
     "mamba_chunk_scan_combined": ("reference", "triton"),
     "mamba_split_conv1d_scan_combined, mamba2_state_update": ("triton", "reference"),

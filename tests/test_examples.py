@@ -34,6 +34,127 @@ def test_fused_and_plain_losses_match(module, tmp_path, capsys):
     assert (tmp_path / f"{module}.png").stat().st_size > 0
 
 
+def _same_weights(module):
+    """The example's fused and plain models built from the same seed (so with the same weights), and its
+    loss function ``loss_of(model, inputs, labels)``."""
+    import paddle
+
+    example, cfg = __import__(module), __import__(module).SIZES["tiny"]
+    built = []
+    for fused in (True, False):
+        paddle.seed(0)
+        np.random.seed(0)
+        if module in ("train_llama", "train_mamba2"):
+            model = (example.TinyLlama if module == "train_llama" else example.TinyMamba2)(cfg, fused)
+        else:
+            from paddlenlp_fused.integrations.paddlenlp import swap_fused_layers
+
+            build = example.build_gpt if module == "train_gpt" else example.build_mamba
+            model = (getattr(example, "build_mamba_fused", build) if fused else build)(cfg)
+            if fused:
+                swap_fused_layers(model)
+        built.append(model)
+    loss_of = getattr(example, "mamba_loss", None) or getattr(example, "labelled_loss", lambda m, x, y: m(x, y))
+    return built, loss_of, cfg
+
+
+@pytest.mark.parametrize("module", ["train_llama", "train_gpt", "train_mamba", "train_mamba2"])
+def test_plain_loss_takes_the_mean_over_counted_tokens(module):
+    """With ignored labels (-100) the plain loss is the mean over the other tokens, as the fused one (and
+    PaddleNLP's criteria): not Paddle's mean over every token."""
+    import paddle
+
+    if module in ("train_gpt", "train_mamba"):
+        pytest.importorskip("paddlenlp")
+    (fused, plain), loss_of, cfg = _same_weights(module)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, cfg["vocab"], (2, 17))
+    labels = tokens[:, 1:].copy()
+    labels[:, ::3] = -100  # a third of the tokens: PaddleNLP's and linear_cross_entropy's ignore_index
+    inputs, labels = paddle.to_tensor(tokens[:, :-1]), paddle.to_tensor(labels)
+    with use_backend("reference"):
+        fused_loss, plain_loss = float(loss_of(fused, inputs, labels)), float(loss_of(plain, inputs, labels))
+    assert math.isfinite(plain_loss), plain_loss
+    assert abs(fused_loss - plain_loss) <= 1e-5 * abs(plain_loss), (fused_loss, plain_loss)
+
+
+def test_cross_entropy_means_over_counted_tokens():
+    import paddle
+
+    rng = np.random.default_rng(2)
+    logits, labels = rng.standard_normal((2, 5, 7)), rng.integers(0, 7, (2, 5))
+    labels[0, 1:4] = common.IGNORE_INDEX
+    counted = labels != common.IGNORE_INDEX
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    expected = -np.take_along_axis(log_probs, np.where(counted, labels, 0)[..., None], -1)[..., 0][counted].mean()
+    got = float(common.cross_entropy(paddle.to_tensor(logits, dtype="float32"), paddle.to_tensor(labels)))
+    assert abs(got - expected) <= 1e-6 * abs(expected)
+    assert float(common.cross_entropy(paddle.zeros([3, 7]), paddle.full([3], common.IGNORE_INDEX, "int64"))) == 0.0
+
+
+def test_base_mamba_starts_near_the_uniform_loss():
+    """PaddleNLP's default init (std 0.1) starts the base Mamba at loss 64-75 (the tied embedding's own token
+    dominates the first logits; the plain loss shows 64, Paddle's CPU cross_entropy clipping each token there);
+    the example's (std 0.02) starts near ln V (11.3 against 10.37). One forward of 2 x 16 tokens."""
+    pytest.importorskip("paddle")
+    pytest.importorskip("paddlenlp")
+    import paddle
+    import train_mamba
+
+    cfg = train_mamba.SIZES["base"]
+    paddle.seed(0)
+    model = train_mamba.build_mamba(cfg)
+    tokens = paddle.to_tensor(np.random.default_rng(0).integers(0, cfg["vocab"], (2, 17)))
+    with paddle.no_grad():
+        loss = float(train_mamba.mamba_loss(model, tokens[:, :-1], tokens[:, 1:]))
+    assert abs(loss - math.log(cfg["vocab"])) < 2.0, loss
+
+
+def test_steps_must_be_positive(capsys):
+    for steps in ("0", "-1", "two"):
+        with pytest.raises(SystemExit):
+            common.example_args("x", {"tiny": {}}, "train_x", ["--steps", steps])
+        assert "--steps: expected a positive integer" in capsys.readouterr().err
+
+
+def test_short_runs_get_integer_step_ticks():
+    import matplotlib.pyplot as plt
+
+    chain = common.MarkovChain(8, np.random.default_rng(0))
+    figure = common.loss_figure([3.0, 2.5, 2.2], chain, "three steps")
+    ticks = [t for t in figure.axes[0].get_xticks() if 1 <= t <= 3]
+    plt.close(figure)
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_default_plots_are_distinct_and_in_the_plot_folder(tmp_path, monkeypatch, capsys):
+    import argparse
+
+    runs = [dict(size=size, data=data, fused=fused, tensor_parallel=tp, sequence_parallel=sp)
+            for size in ("tiny", "base") for data in ("synthetic", "text") for fused in (True, False)
+            for tp, sp in ((1, False), (2, False), (2, True))]
+    names = {common.default_plot("train_llama", argparse.Namespace(**run)) for run in runs}
+    assert len(names) == len(runs) and all(Path(n).parent == common.PLOT_DIR for n in names)
+    assert common.PLOT_DIR == Path(common.__file__).resolve().parent / "plots"
+    monkeypatch.setattr(common, "PLOT_DIR", tmp_path / "plots")  # the folder is made when missing
+    with use_backend("reference"):
+        __import__("train_mamba2").main(["--steps", "2", "--no-fused"])
+    assert (tmp_path / "plots" / "train_mamba2_tiny_synthetic_plain.png").stat().st_size > 0
+    assert f"loss curve: {tmp_path / 'plots'}" in capsys.readouterr().out
+
+
+def test_tensor_parallel_parameter_count():
+    """The fleet run states the whole model's parameter count: a shard (``is_distributed``) counts once per
+    rank, a replicated parameter once."""
+    import paddle.nn as nn
+    import train_llama
+
+    layer = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6))
+    layer[0].weight.is_distributed = True  # a column-parallel shard: 24 of each rank's 42
+    assert train_llama.parameter_counts(layer, 2) == (66, 42)
+    assert train_llama.parameter_counts(layer, 1) == (42, 42)
+
+
 def test_bfloat16_moments_follow_the_plain_run(tmp_path, capsys):
     """The main job with FusedAdamW's bfloat16 moments (the default where it runs a kernel): the first loss
     is the same forward, later ones differ by the moments' rounding."""
