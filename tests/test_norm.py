@@ -500,7 +500,7 @@ def test_gated_chunked_path_matches_reference():
 def test_gated_layer_norm_bias_chunked_and_slab_paths(norm_before_gate):
     """The gated LayerNorm with bias through the chunked forward and the column-slab backward (a
     register block of 8 columns for groups of 32) against the float64 values of the reference's
-    autograd (with the gate after the norm the launcher reads the bias for dz)."""
+    autograd; the launcher's dz leaves out bias * silu'(z) with the gate after the norm."""
     M, N, G = 5, 64, 32
     x, z, w, b, dy = (randn((M, N), "float32", requires_grad=True), randn((M, N), "float32", requires_grad=True),
                       randn((N,), "float32", requires_grad=True), randn((N,), "float32", requires_grad=True),
@@ -511,13 +511,15 @@ def test_gated_layer_norm_bias_chunked_and_slab_paths(norm_before_gate):
                          norm_before_gate=norm_before_gate, max_block=8)
     partials, rowstats = triton_norm.bwd_workspace_shapes(M, N, True, G, max_block=8)
     assert rowstats is not None  # the slab path
-    bias = dict(bias=triton_args(b)[0]) if norm_before_gate else {}
     triton_norm.norm_bwd(*triton_args(x, w, mean, rstd, dy, dx, dw, nan(*partials)),
                          **dict(zip(("dbias", "z", "dz", "rowstats"), triton_args(db, z, dz, nan(*rowstats)))),
-                         **bias, group_size=G, norm_before_gate=norm_before_gate, max_block=8)
+                         group_size=G, norm_before_gate=norm_before_gate, max_block=8)
     ref = rmsnorm_gated_fn(x, w, z, eps=1e-6, group_size=G, norm_before_gate=norm_before_gate,
                            backend="reference", bias=b, is_rms_norm=False)
     rdx, rdw, rdb, rdz = paddle.grad(ref, [x, w, b, z], dy)
+    if norm_before_gate:
+        sig = F.sigmoid(z)
+        rdz = rdz - dy * b * sig * (1 + z * (1 - sig))
     for label, got, want in (("y", y, ref), ("dx", dx, rdx), ("dweight", dw, rdw), ("dbias", db, rdb),
                              ("dz", dz, rdz)):
         assert_close(f"gated layer norm slabs {label}", to64(got), to64(want), "float32")

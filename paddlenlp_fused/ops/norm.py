@@ -13,6 +13,7 @@ routes around). ``out`` / ``residual_out`` (preallocated outputs) on every backe
 from __future__ import annotations
 
 import paddle
+import paddle.nn.functional as F
 
 from ..kernels.cuda import norm as cuda_norm
 from ..kernels.triton import norm as triton_norm
@@ -427,16 +428,22 @@ class GatedRMSNormFunction(TritonPyLayer):
         x2d, weight, bias, z2d, mean, rstd = ctx.saved_tensor()
         M, N = x2d.shape
         dy2d = contiguous(dy).reshape([M, N])
+        # the kernel's dz leaves out bias * silu'(z) (gate after the norm): add it here in fp32
         bias_in_dz = bias is not None and z2d is not None and ctx.options["norm_before_gate"]
         dx = paddle.empty([M, N], dtype=x2d.dtype, device=x2d.place)
-        dz = None if z2d is None else paddle.empty([M, N], dtype=z2d.dtype, device=x2d.place)
+        dz = None if z2d is None else paddle.empty([M, N], dtype="float32" if bias_in_dz else z2d.dtype,
+                                                   device=x2d.place)
         dweight = paddle.empty(weight.shape, dtype=weight.dtype, device=x2d.place)
         dbias = None if bias is None else paddle.empty(bias.shape, dtype=bias.dtype, device=x2d.place)
         workspace = _bwd_workspace("triton", M, N, T.dtype_name(x2d), bias is not None, ctx.options["group_size"],
                                    place=x2d.place)
-        _launch("triton", "norm_bwd", dict(h=x2d, weight=weight, bias=bias if bias_in_dz else None, mean=mean,
-                                           rstd=rstd, dy=dy2d, dx=dx, dweight=dweight, dbias=dbias, z=z2d, dz=dz,
-                                           **workspace), **ctx.options)
+        _launch("triton", "norm_bwd", dict(h=x2d, weight=weight, mean=mean, rstd=rstd, dy=dy2d, dx=dx,
+                                           dweight=dweight, dbias=dbias, z=z2d, dz=dz, **workspace), **ctx.options)
+        if bias_in_dz:
+            z32 = z2d.astype("float32")
+            sig = F.sigmoid(z32)
+            dz = (dz + dy2d.astype("float32") * bias.astype("float32") * sig * (1.0 + z32 * (1.0 - sig))
+                  ).astype(z2d.dtype)
         grads = [dx.reshape(ctx.shape), dweight] + ([] if dbias is None else [dbias]) + \
             ([] if dz is None else [dz.reshape(ctx.shape)])
         return grads_for(ctx, grads)

@@ -396,7 +396,7 @@ def _gated_norm64(x64, z64, w64, dy64, b64, G, norm_before_gate, is_rms_norm):
     dh = ((dh_g if is_rms_norm else dh_g - wdy.mean(-1, keepdims=True)) * rs).reshape(M, N)
     y = (xhat * w64 + (0.0 if b64 is None else b64)) * (silu if norm_before_gate else 1.0)
     dx = dh if norm_before_gate else dh * silu
-    dz = dy64 * (xhat * w64 + (0.0 if b64 is None else b64)) * dsilu if norm_before_gate else dh * x64 * dsilu
+    dz = dy64 * xhat * w64 * dsilu if norm_before_gate else dh * x64 * dsilu
     return y, dx, dz, g, xhat
 
 
@@ -431,8 +431,9 @@ def test_gated_rms_norm_matches_float64(provider, N, group_size, norm_before_gat
 @pytest.mark.parametrize("N,group_size,norm_before_gate", [(4096, 1024, True), (777, None, False), (24, 8, True),
                                                            (40000, 20000, False)])
 def test_gated_layer_norm_with_bias_matches_float64(provider, N, group_size, norm_before_gate, dtype):
-    """mamba_ssm's gated LayerNorm (is_rms_norm=False) with bias at the launcher (with the gate after
-    the norm it reads the bias for dz)."""
+    """mamba_ssm's gated LayerNorm (is_rms_norm=False) with bias at the launcher. With the gate
+    after the norm the launcher's dz leaves out bias * silu'(z) (ops.norm adds it) and is fp32, as
+    the op passes it."""
     M = 129
     x, z, w, b, dy = (provider.randn((M, N), dtype, offset=0.5), provider.randn((M, N), dtype),
                       provider.randn((N,), dtype), provider.randn((N,), dtype), provider.randn((M, N), dtype))
@@ -441,13 +442,13 @@ def test_gated_layer_norm_with_bias_matches_float64(provider, N, group_size, nor
                      provider.poisoned((M * (N // G),), "float32"))
     triton_norm.norm_fwd(x, w, b, y, mean, rstd, z=z, eps=1e-6, group_size=group_size,
                          norm_before_gate=norm_before_gate)
-    dx, dz = provider.poisoned((M, N), dtype), provider.poisoned((M, N), dtype)
+    dz_dtype = "float32" if norm_before_gate else dtype
+    dx, dz = provider.poisoned((M, N), dtype), provider.poisoned((M, N), dz_dtype)
     dw, db = provider.poisoned((N,), dtype), provider.poisoned((N,), dtype)
     partials, rowstats = _workspace(provider, "triton", M, N, dtype, True, group_size)
     counters = provider.zeros((triton_norm.COUNTERS,), "int32")
-    triton_norm.norm_bwd(x, w, mean, rstd, dy, dx, dw, partials, bias=b if norm_before_gate else None, dbias=db, z=z,
-                         dz=dz, rowstats=rowstats, counters=counters, group_size=group_size,
-                         norm_before_gate=norm_before_gate)
+    triton_norm.norm_bwd(x, w, mean, rstd, dy, dx, dw, partials, dbias=db, z=z, dz=dz, rowstats=rowstats,
+                         counters=counters, group_size=group_size, norm_before_gate=norm_before_gate)
     provider.synchronize()
     assert not provider.to_numpy(counters).any()
 

@@ -293,12 +293,12 @@ def _bwd_weight(w_ptr, col_base, cols, col_mask, weight_offset):
 
 
 @triton.jit
-def _bwd_load(h_ptr, z_ptr, w, b, dy_ptr, mean, rstd, rows64, col_base, cols, mask,
+def _bwd_load(h_ptr, z_ptr, w, dy_ptr, mean, rstd, rows64, col_base, cols, mask,
               stride_h, stride_z, stride_dy,
               HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr):
-    """For a tile (w: weight + offset of its columns, b: their bias or 0): xhat, the gradient at the
-    norm's scaled output (gate applied), w * that, and what the gate's gradients need: x, silu(z),
-    silu'(z), and dz when the gate comes last."""
+    """For a tile (w: weight + offset of its columns): xhat, the gradient at the norm's scaled
+    output (gate applied), w * that, and what the gate's gradients need: x, silu(z), silu'(z),
+    and dz when the gate comes last."""
     x = tl.load(h_ptr + rows64 * stride_h + col_base + cols, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + rows64 * stride_dy + col_base + cols, mask=mask, other=0.0).to(tl.float32)
     h = x
@@ -313,7 +313,7 @@ def _bwd_load(h_ptr, z_ptr, w, b, dy_ptr, mean, rstd, rows64, col_base, cols, ma
     xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
     if HAS_Z:
         if NORM_BEFORE_GATE:
-            dz = dy * (xhat * w + b) * dsilu_z
+            dz = dy * xhat * w * dsilu_z
             dy = dy * silu_z
     return xhat, dy, dy * w, x, silu_z, dsilu_z, dz
 
@@ -342,7 +342,7 @@ def _norm_bwd_rowstats_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, r
         cols = start + offs
         col_mask = cols < G
         w = _bwd_weight(w_ptr, g * G, cols, col_mask, weight_offset)
-        xhat, _, wdy, _, _, _, _ = _bwd_load(h_ptr, z_ptr, w, 0.0, dy_ptr, mean, rstd, rows64, g * G, cols,
+        xhat, _, wdy, _, _, _, _ = _bwd_load(h_ptr, z_ptr, w, dy_ptr, mean, rstd, rows64, g * G, cols,
                                              col_mask, stride_h, stride_z, stride_dy, HAS_Z, NORM_BEFORE_GATE)
         if HAS_W1:
             dy1 = tl.load(dy1_ptr + rows64 * stride_dy1 + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -355,7 +355,7 @@ def _norm_bwd_rowstats_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, r
 
 
 @triton.jit(do_not_specialize=["NUM_PARTIALS", "seed"])  # one compiled kernel whatever the grid size
-def _norm_bwd_kernel(h_ptr, z_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, dy_ptr, dres_out_ptr, rowstats_ptr,
+def _norm_bwd_kernel(h_ptr, z_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dres_out_ptr, rowstats_ptr,
                      dx_ptr, dres_ptr, dz_ptr, partials_ptr, dw_ptr, db_ptr, counters_ptr,
                      M, G, NGROUPS, NUM_PARTIALS, stride_partials, stride_h, stride_z, stride_dy, stride_dres_out,
                      stride_dx, stride_dres, stride_dz, weight_offset,
@@ -378,8 +378,7 @@ def _norm_bwd_kernel(h_ptr, z_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, dy_ptr, dre
     dropout(dh) * rowscale, drowscale's partial sum of this slab (x . dropout(dh)) at [row, slab].
     HAS_W1 (w1_ptr ... stride_dy1): y1's gradient dy1 adds w1 dy1 to the normalised gradient, and
     dweight1 (and dbias1) are summed as dweight and dbias are; the partial sums' order is dweight,
-    [dbias,] dweight1, [dbias1], ``stride_partials`` apart. b_ptr: the bias, read for dz where the
-    gate comes after the norm (y = (xhat w + b) silu(z)), else None."""
+    [dbias,] dweight1, [dbias1], ``stride_partials`` apart."""
     pid = tl.program_id(0)
     g = tl.program_id(1) // NUM_SLABS
     slab = tl.program_id(1) % NUM_SLABS
@@ -391,9 +390,6 @@ def _norm_bwd_kernel(h_ptr, z_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, dy_ptr, dre
     db_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     if not RELOAD_WEIGHT:  # once: the same columns every row (costs registers)
         w_kept = _bwd_weight(w_ptr, col_base, cols, col_mask, weight_offset)
-    b = 0.0
-    if HAS_BIAS and HAS_Z and NORM_BEFORE_GATE:  # (once: only the gated norm reads the bias)
-        b = tl.load(b_ptr + col_base + cols, mask=col_mask, other=0.0).to(tl.float32)
     if HAS_W1:
         dw1_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         db1_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
@@ -416,7 +412,7 @@ def _norm_bwd_kernel(h_ptr, z_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, dy_ptr, dre
         else:
             w = w_kept
         xhat, dy, wdy, x, silu_z, dsilu_z, dz = _bwd_load(
-            h_ptr, z_ptr, w, b, dy_ptr, mean, rstd, rows64, col_base, cols, mask,
+            h_ptr, z_ptr, w, dy_ptr, mean, rstd, rows64, col_base, cols, mask,
             stride_h, stride_z, stride_dy, HAS_Z, NORM_BEFORE_GATE)
         if HAS_W1:  # y1 = xhat * w1 + b1 shares xhat: its gradient joins the normalised one
             dy1 = tl.load(dy1_ptr + rows64 * stride_dy1 + cols, mask=mask, other=0.0).to(tl.float32)
@@ -898,15 +894,14 @@ def drowscale_shape(M: int, N: int, max_block: int = BWD_MAX_BLOCK, tuning: BwdT
     return M, _bwd_config(N, max_block, tuning.rows, tuning.num_warps)[2]
 
 
-def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, bias=None, dbias=None, dresidual_out=None,
+def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, dbias=None, dresidual_out=None,
              dresidual=None, z=None, dz=None, rowstats=None, counters=None, is_rms_norm: bool = False,
              weight_offset: float = 0.0, group_size=None, norm_before_gate: bool = True, x=None, dx1=None,
              rowscale=None, drowscale=None, dropout_p: float = 0.0, seed=None, weight1=None, dy1=None,
              dweight1=None, dbias1=None, max_block: int = BWD_MAX_BLOCK, tuning: BwdTuning = BwdTuning()) -> None:
     """Gradients of ``norm_fwd``. ``h`` is what the forward normalised before gating: residual_out
     when it stored one, else x. Writes dx (= dh, plus dresidual_out), dresidual (dh in the
-    residual's dtype, when that differs from dx's), dz (gated; ``bias``, the forward's, given exactly
-    with dbias where the gate comes after the norm), dweight and dbias; ``partials`` and
+    residual's dtype, when that differs from dx's), dz (gated), dweight and dbias; ``partials`` and
     ``rowstats`` are workspaces shaped by ``bwd_workspace_shapes``. ``counters``: an int32
     [COUNTERS] workspace of zeros (left zeroed); given, a backward of one column slab and one group
     sums dweight/dbias in its own (cooperative) launch instead of a second kernel's, when the
@@ -940,11 +935,6 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, bias=None, dbi
                                                    ("dx", dx), ("dresidual", dresidual), ("dz", dz)))
     if (z is None) != (dz is None):
         raise ValueError("z and dz: give both or neither")
-    bias_in_dz = z is not None and norm_before_gate and dbias is not None
-    if (bias is not None) != bias_in_dz:
-        raise ValueError("bias: give it exactly with z, dbias and norm_before_gate (dz reads it), "
-                         f"got {'a bias' if bias is not None else 'None'}")
-    _check_vector("bias", bias, N)
     for name, t in (("weight", weight), ("dweight", dweight), ("dbias", dbias)):
         _check_vector(name, t, N)
     _check_stats(mean, rstd, M * ngroups, is_rms_norm)
@@ -985,7 +975,7 @@ def norm_bwd(h, weight, mean, rstd, dy, dx, dweight, partials, *, bias=None, dbi
                    stride_x, stride_dx1, weight1, dy1)
 
         def launch_args(fuse, programs):
-            tensors = (h, z, weight, bias, None if is_rms_norm else mean, rstd, dy, dresidual_out,
+            tensors = (h, z, weight, None if is_rms_norm else mean, rstd, dy, dresidual_out,
                        rowstats if slabs > 1 else None, dx, dresidual, dz, partials) + \
                       ((dweight, dbias, counters) if fuse else (None, None, None))
             sums1 = (dweight1, dbias1) if fuse else (None, None)
@@ -1067,13 +1057,13 @@ def compile_cases():
             norm_bwd(x, w, None, s, x, x, w, T.SpecTensor(p, f32), z=x, dz=x, is_rms_norm=True,
                      group_size=group, norm_before_gate=False)
 
-        b, mean = T.SpecTensor((N,), dtype), T.SpecTensor((M * 3,), f32)
+        b, mean, dz32 = T.SpecTensor((N,), dtype), T.SpecTensor((M * 3,), f32), T.SpecTensor((M, N), f32)
         partials, _ = bwd_workspace_shapes(M, N, True, group_size=group)
         yield f"gated_layer_norm_fwd[{dtype},N={N},group={group},bias]", lambda x=x, w=w, b=b, m=mean, s=stat: \
             norm_fwd(x, w, b, x, m, s, z=x, group_size=group)
         yield f"gated_layer_norm_bwd[{dtype},N={N},group={group},bias]", \
-            lambda x=x, w=w, b=b, m=mean, s=stat, p=partials: \
-            norm_bwd(x, w, m, s, x, x, w, T.SpecTensor(p, f32), bias=b, dbias=b, z=x, dz=x, group_size=group)
+            lambda x=x, w=w, b=b, m=mean, s=stat, p=partials, dz=dz32: \
+            norm_bwd(x, w, m, s, x, x, w, T.SpecTensor(p, f32), dbias=b, z=x, dz=dz, group_size=group)
 
         M, N = 4096, 3000
         other = {"float32": "bfloat16", "float16": "float32", "bfloat16": "float32"}[dtype]
