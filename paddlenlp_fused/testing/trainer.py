@@ -146,13 +146,13 @@ def _recorder(losses: List[float], norms: List[float]):
 
             def global_norm(dist, not_dist):  # reduces both sums in place over the hybrid groups
                 original(dist, not_dist)
-                norms.append(float(np.sqrt(float(dist) + float(not_dist))))
+                norms.append(float(np.sqrt(dist.item() + not_dist.item())))  # item(): numpy 2.4 refuses float([1])
             clip._global_norm = global_norm
         elif isinstance(clip, ClipGradByGlobalNorm):
             original = clip._dygraph_clip
 
             def dygraph_clip(params_grads):
-                total = sum(float((g.astype("float32") ** 2).sum()) for p, g in params_grads
+                total = sum((g.astype("float32") ** 2).sum().item() for p, g in params_grads
                             if g is not None and getattr(p, "need_clip", True))
                 norms.append(float(np.sqrt(total)))
                 return original(params_grads)
