@@ -50,7 +50,11 @@ GRAD_RTOL = 2e-5
 # the attention key biases of GPT have an exactly-zero true gradient (softmax is shift invariant),
 # so both models give rounding noise of ~1e-9 there, with no relative meaning.
 GRAD_FLOOR = 1e-3
-CURVE_RTOL = 1e-5  # 20 AdamW steps at lr 1e-3: measured <= 1.2e-7 relative (both backends)
+# 20 AdamW steps at lr 1e-3. Adam moves a gradient element near zero by about lr whatever its
+# rounding, so a path that rounds differently from the plain one (Triton) can drift: measured
+# 1.1e-7..1.2e-7 relative over 9 seeds and 2.8e-5 at one (PADDLENLP_FUSED_TEST_SEED=2004561940,
+# gpt-triton-no-mlp, the same before 2026-12-08); the reference path is bit-identical (0).
+CURVE_RTOL = 1e-4
 
 
 @pytest.fixture
